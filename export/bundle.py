@@ -1,0 +1,217 @@
+"""`specedge export`: freeze a target (and a draft) into a bundle of static step graphs.
+
+The bundle appears atomically: everything is written into a temporary directory beside the destination and
+renamed into place at the end; any error removes the temporary directory, so a failed export leaves
+nothing behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import onnx
+
+from .. import __version__
+from ..graphs import contract as C
+from ..graphs import llama
+from ..graphs.builder import GraphBuilder
+from ..graphs.manifest import (GraphEntry, Manifest, ModelEntry, TokenizerEntry, WeightRef, graph_file,
+                               read_index, weights_file, weights_index_file, write_index)
+from .errors import ExportError
+from .sources import Source, open_source
+from .weights import write_weights
+
+
+@dataclass
+class ExportOptions:
+    context: int = 1024
+    gammas: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_chunk: int = 64
+    batch: int = 1
+    dtype: str = "float32"
+    draft_layers: int | None = None  # cut a draft from the target's first N layers
+    prefill_logits: bool = False  # give prefill graphs logits too (parity checks; slows prefill)
+    step_mask: bool = False  # add the optional step_mask input to the step graphs (tree verification)
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.dtype not in C.DTYPES:
+            raise ExportError(f"--dtype must be one of {', '.join(C.DTYPES)}, not {self.dtype}")
+        if self.batch < 1:
+            raise ExportError(f"--batch must be at least 1, not {self.batch}")
+        if self.prefill_chunk < 1:
+            raise ExportError(f"--prefill-chunk must be at least 1, not {self.prefill_chunk}")
+        if self.context <= self.prefill_chunk:
+            raise ExportError(f"--context ({self.context}) must be larger than --prefill-chunk ({self.prefill_chunk})")
+        if not self.gammas or min(self.gammas) < 1:
+            raise ExportError(f"every --gamma must be at least 1, got {','.join(map(str, self.gammas)) or 'none'}")
+        if max(self.gammas) + 1 >= self.context:
+            raise ExportError(f"--gamma {max(self.gammas)} needs a context larger than {max(self.gammas) + 1}")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ExportError(f"--draft-layers must be at least 1, not {self.draft_layers}")
+
+    def target_steps(self) -> list[int]:
+        return sorted({1, *(g + 1 for g in self.gammas)})
+
+    @staticmethod
+    def draft_steps() -> list[int]:
+        return [1, 2]  # T=2: after a fully accepted round the draft catches up on two tokens
+
+
+class _Progress:
+    """tqdm when it is installed and stderr is a terminal-ish stream; a plain counter otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc="export", unit="step", file=sys.stderr, leave=True)
+            except ImportError:
+                pass
+
+    def update(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(what[-40:], refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_vocab(target: Source, draft: Source) -> dict:
+    """A draft must tokenize like the target: the same token for every id both know."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    tt, dt = target.vocab_tokens(), draft.vocab_tokens()
+    if tt is None or dt is None:
+        raise ExportError("cannot compare draft and target vocabularies: a tokenizer is missing from "
+                          f"{target.path if tt is None else draft.path}")
+    for i in range(min(len(tt), len(dt))):
+        if tt[i] != dt[i]:
+            raise ExportError(f"draft and target vocabularies differ at id {i} ({dt[i]!r} vs {tt[i]!r}); "
+                              "a draft must share the target's tokenizer")
+    if len(dt) > tv:
+        raise ExportError(f"the draft's tokenizer has {len(dt)} tokens, more than the target's LM head ({tv})")
+    return {"target": tv, "draft": dv, "tokens_compared": min(len(tt), len(dt)), "match": "token strings"}
+
+
+def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
+                 refs: dict[str, WeightRef], weights: str, step_mask: bool) -> GraphEntry:
+    g = GraphBuilder(f"{model}_{role}{tokens}", refs, weights)
+    llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP)
+    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens),
+                       step_mask=step_mask and role == C.STEP)
+    onnx.save(g.build(), os.path.join(bundle, entry.file))
+    return entry
+
+
+def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, steps: list[int],
+                  progress: _Progress, shared: tuple[str, dict[str, WeightRef]] | None = None,
+                  num_layers: int | None = None) -> ModelEntry:
+    cfg = src.config
+    dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
+    if shared is None:
+        weights = weights_file(name)
+        refs = write_weights(os.path.join(bundle, weights),
+                             llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor),
+                             on_tensor=progress.update)
+        write_index(os.path.join(bundle, weights_index_file(weights)), refs)
+    else:
+        weights, refs = shared
+    prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
+    graphs = [_write_graph(bundle, name, cfg, dims, prefill_role, opts.prefill_chunk, refs, weights, False)]
+    progress.update(graphs[-1].file)
+    for t in steps:
+        if prefill_role == C.STEP and t == opts.prefill_chunk:
+            continue
+        graphs.append(_write_graph(bundle, name, cfg, dims, C.STEP, t, refs, weights, opts.step_mask))
+        progress.update(graphs[-1].file)
+    return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
+                      source=os.path.basename(os.path.normpath(src.path)),
+                      layers_of="target" if shared is not None else None)
+
+
+def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: str | None = None,
+                  force: bool = False, progress: bool = True) -> Manifest:
+    opts.validate()
+    if draft_path and opts.draft_layers:
+        raise ExportError("give either --draft or --draft-layers, not both")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ExportError(f"output {out} exists (use --force to replace it)")
+    target = open_source(target_path)
+    try:
+        target.config.check(opts.context)
+    except llama.UnsupportedModel as e:
+        raise ExportError(f"{target_path}: {e}") from None
+    draft = None
+    vocab = {"target": target.config.vocab_size}
+    if draft_path:
+        draft = open_source(draft_path)
+        try:
+            draft.config.check(opts.context)
+        except llama.UnsupportedModel as e:
+            raise ExportError(f"draft {draft_path}: {e}") from None
+        vocab = check_vocab(target, draft)
+    if opts.draft_layers is not None:
+        if opts.draft_layers >= target.config.num_layers:
+            raise ExportError(f"--draft-layers {opts.draft_layers} must be below the target's {target.config.num_layers} layers")
+        vocab = {"target": target.config.vocab_size, "draft": target.config.vocab_size, "match": "same model"}
+    tokenizer = target.tokenizer()
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    n_weights = len(llama.weight_names(target.config)) + (len(llama.weight_names(draft.config)) if draft else 0)
+    n_graphs = 1 + len(opts.target_steps()) + ((1 + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
+    bar = _Progress(n_weights + n_graphs, progress)
+    started = time.time()
+    try:
+        models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar)}
+        if draft is not None:
+            models["draft"] = _export_model(tmp, "draft", draft, opts, opts.draft_steps(), bar)
+        elif opts.draft_layers is not None:
+            t = models["target"]
+            shared = (t.weights, read_index(os.path.join(tmp, weights_index_file(t.weights))))
+            models["draft"] = _export_model(tmp, "draft", target, opts, opts.draft_steps(), bar,
+                                            shared=shared, num_layers=opts.draft_layers)
+        tok_files = []
+        if tokenizer.files:
+            os.makedirs(os.path.join(tmp, "tokenizer"))
+            for fname, content in tokenizer.files.items():
+                with open(os.path.join(tmp, "tokenizer", fname), "wb") as f:
+                    f.write(content)
+                tok_files.append(f"tokenizer/{fname}")
+        manifest = Manifest(
+            models=models,
+            tokenizer=TokenizerEntry(files=tok_files, bos_id=tokenizer.bos_id, eos_ids=tokenizer.eos_ids,
+                                     chat_template=tokenizer.chat_template),
+            vocab=vocab,
+            export={"specedge": __version__, "context": opts.context, "gammas": list(opts.gammas),
+                    "prefill_chunk": opts.prefill_chunk, "batch": opts.batch, "dtype": opts.dtype,
+                    "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
+                    "step_mask": opts.step_mask, "target": os.path.basename(os.path.normpath(target_path)),
+                    "draft": os.path.basename(os.path.normpath(draft_path)) if draft_path else None,
+                    "seconds": None},
+        )
+        manifest.export["seconds"] = round(time.time() - started, 1)
+        manifest.save(tmp)
+        bar.close()
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rename(out, os.path.join(old, "bundle"))
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+        return manifest
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

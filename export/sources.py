@@ -1,0 +1,306 @@
+"""Model sources: an HF directory (config.json + *.safetensors) or a .gguf file.
+
+Each source gives a LlamaConfig, float32 tensors by their transformers name, and tokenizer facts. Nothing
+here needs torch: safetensors files are read straight from their header (bf16 widened by a shift), and
+GGUF tensors are dequantized with the `gguf` package.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..graphs.llama import FAMILIES, LlamaConfig
+from .errors import ExportError
+
+
+@dataclass
+class TokenizerInfo:
+    bos_id: int | None
+    eos_ids: list[int]
+    chat_template: str | None
+    files: dict[str, bytes] = field(default_factory=dict)  # file name -> content, copied into the bundle
+
+
+class Source:
+    path: str
+    config: LlamaConfig
+
+    def tensor(self, hf_name: str) -> np.ndarray:  # float32
+        raise NotImplementedError
+
+    def tokenizer(self) -> TokenizerInfo:
+        raise NotImplementedError
+
+    def vocab_tokens(self) -> list[str] | None:
+        """The token strings by id, to prove a draft and a target share a vocabulary."""
+        raise NotImplementedError
+
+
+def open_source(path: str) -> Source:
+    if not os.path.exists(path):
+        raise ExportError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ExportError(f"{path} is a directory without config.json (expected an HF model directory)")
+        return HFSource(path)
+    if path.endswith(".gguf"):
+        return GGUFSource(path)
+    raise ExportError(f"{path}: expected an HF model directory or a .gguf file")
+
+
+# -- HF directory -------------------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
+
+
+def config_from_hf(cfg: dict) -> LlamaConfig:
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in FAMILIES:
+        raise ExportError(f"unsupported architecture {arch}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[arch]
+    heads = cfg["num_attention_heads"]
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"hidden_act {cfg.get('hidden_act')} is not supported (SwiGLU with silu only)")
+    if cfg.get("mlp_bias"):
+        raise ExportError("mlp_bias is not supported")
+    window = cfg.get("sliding_window")
+    if family == "qwen2" or family == "qwen3":
+        window = window if cfg.get("use_sliding_window") else None
+    return LlamaConfig(
+        family=family,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=rope or None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        max_position_embeddings=cfg.get("max_position_embeddings", 0),
+        sliding_window=window,
+    )
+
+
+class HFSource(Source):
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, "config.json")) as f:
+            self.raw_config = json.load(f)
+        self.config = config_from_hf(self.raw_config)
+        self._index: dict[str, tuple[str, str, list[int], int, int]] = {}
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise ExportError(f"{path}: no *.safetensors files (pytorch .bin checkpoints are not supported)")
+        for name in files:
+            self._read_header(os.path.join(path, name))
+
+    def _read_header(self, file: str) -> None:
+        with open(file, "rb") as f:
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            except (struct.error, ValueError) as e:
+                raise ExportError(f"{file}: not a safetensors file ({e})") from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in _SAFETENSORS_DTYPES:
+                raise ExportError(f"{file}: tensor {name} has dtype {info['dtype']}, not one of {list(_SAFETENSORS_DTYPES)}")
+            start, end = info["data_offsets"]
+            self._index[name] = (file, info["dtype"], info["shape"], 8 + n + start, end - start)
+
+    def tensor(self, hf_name: str) -> np.ndarray:
+        if hf_name not in self._index:
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return self.tensor("model.embed_tokens.weight")
+            raise ExportError(f"{self.path}: tensor {hf_name} is missing from the safetensors files")
+        file, dtype, shape, offset, length = self._index[hf_name]
+        raw = np.fromfile(file, dtype=np.uint8, count=length, offset=offset)
+        if dtype == "BF16":  # bfloat16 is the top half of a float32
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        return raw.view(_SAFETENSORS_DTYPES[dtype]).astype(np.float32).reshape(shape)
+
+    def tokenizer(self) -> TokenizerInfo:
+        files = {}
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            p = os.path.join(self.path, name)
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    files[name] = f.read()
+        tok_cfg = json.loads(files.get("tokenizer_config.json", b"{}"))
+        gen_cfg = json.loads(files.get("generation_config.json", b"{}"))
+        files.pop("generation_config.json", None)
+        eos = gen_cfg.get("eos_token_id", self.raw_config.get("eos_token_id"))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        bos = gen_cfg.get("bos_token_id", self.raw_config.get("bos_token_id"))
+        template = tok_cfg.get("chat_template")
+        chat_file = os.path.join(self.path, "chat_template.jinja")
+        if template is None and os.path.isfile(chat_file):
+            with open(chat_file) as f:
+                template = f.read()
+        return TokenizerInfo(bos_id=bos if tok_cfg.get("add_bos_token", True) else None,
+                             eos_ids=eos_ids, chat_template=template, files=files)
+
+    def vocab_tokens(self) -> list[str] | None:
+        p = os.path.join(self.path, "tokenizer.json")
+        if not os.path.isfile(p):
+            return None
+        with open(p) as f:
+            tok = json.load(f)
+        vocab = dict(tok.get("model", {}).get("vocab", {}))
+        for added in tok.get("added_tokens", []):
+            vocab[added["content"]] = added["id"]
+        by_id = [""] * (max(vocab.values()) + 1 if vocab else 0)
+        for token, i in vocab.items():
+            by_id[i] = token
+        return by_id
+
+
+# -- GGUF file ----------------------------------------------------------------------------------------
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+class GGUFSource(Source):
+    def __init__(self, path: str):
+        try:
+            import gguf
+        except ImportError:
+            raise ExportError("reading .gguf needs the gguf package: pip install 'specedge[export]'") from None
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises assorted errors on a bad file
+            raise ExportError(f"{path}: not a readable GGUF file ({e})") from None
+        self._gguf = gguf
+        self.arch = self._field("general.architecture")
+        if self.arch not in _GGUF_ARCHS:
+            raise ExportError(f"GGUF architecture '{self.arch}' is not supported; supported: {', '.join(_GGUF_ARCHS)}")
+        a = self.arch
+        self._tensors = {}
+        for t in self.reader.tensors:
+            self._tensors[self._hf_name(t.name)] = t
+        heads = self._field(f"{a}.attention.head_count")
+        hidden = self._field(f"{a}.embedding_length")
+        scaling = self._field(f"{a}.rope.scaling.type", None)
+        if scaling not in (None, "none", "linear") or "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
+            raise ExportError(f"{path}: GGUF rope scaling '{scaling or 'rope_freqs'}' is not supported (none, linear)")
+        rope = {"rope_type": "linear", "factor": self._field(f"{a}.rope.scaling.factor")} if scaling == "linear" else None
+        vocab = self._field(f"{a}.vocab_size", None) or len(self._field_raw("tokenizer.ggml.tokens").data)
+        self.config = LlamaConfig(
+            family=a,
+            num_layers=self._field(f"{a}.block_count"),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
+            head_dim=self._field(f"{a}.attention.key_length", None) or hidden // heads,
+            intermediate_size=self._field(f"{a}.feed_forward_length"),
+            vocab_size=vocab,
+            rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=rope,
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            qk_norm=a == "qwen3",
+            max_position_embeddings=self._field(f"{a}.context_length", 0),
+        )
+        self._check_types()
+
+    def _field_raw(self, key):
+        return self.reader.fields.get(key)
+
+    def _field(self, key, default=...):
+        f = self.reader.fields.get(key)
+        if f is None:
+            if default is ...:
+                raise ExportError(f"{self.path}: GGUF metadata {key} is missing")
+            return default
+        return f.contents()
+
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        if name == "token_embd.weight":
+            return "model.embed_tokens.weight"
+        if name == "output_norm.weight":
+            return "model.norm.weight"
+        if name == "output.weight":
+            return "lm_head.weight"
+        if name.startswith("blk."):
+            _, i, rest = name.split(".", 2)
+            if rest in _GGUF_LAYER_NAMES:
+                return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
+        return name
+
+    def _readable_types(self) -> set:
+        g = self._gguf
+        return {g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16, *g.quants._type_traits}
+
+    def _check_types(self) -> None:
+        """Refuse before writing anything if a tensor has a type `gguf` cannot dequantize."""
+        readable = self._readable_types()
+        for t in self._tensors.values():
+            if t.tensor_type not in readable:
+                names = ", ".join(sorted(q.name for q in readable))
+                raise ExportError(f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}, which cannot "
+                                  f"be dequantized (readable: {names})")
+
+    def tensor(self, hf_name: str) -> np.ndarray:
+        if hf_name not in self._tensors:
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return self.tensor("model.embed_tokens.weight")
+            raise ExportError(f"{self.path}: tensor {hf_name} is missing from the GGUF file")
+        t = self._tensors[hf_name]
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if self.arch in ("llama", "mistral") and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            # llama.cpp's converter interleaves the rotary halves of q/k rows; undo it for rotate_half RoPE.
+            heads = self.config.num_heads if ".q_proj." in hf_name else self.config.num_kv_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return w
+
+    def tokenizer(self) -> TokenizerInfo:
+        files = {}
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ExportError("building a tokenizer from GGUF needs transformers: pip install 'specedge[export]'") from None
+        import tempfile
+        import logging
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(self.path)), gguf_file=os.path.basename(self.path))
+        with tempfile.TemporaryDirectory() as d:
+            tok.save_pretrained(d)
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                p = os.path.join(d, name)
+                if os.path.isfile(p):
+                    with open(p, "rb") as f:
+                        files[name] = f.read()
+        eos = self._field("tokenizer.ggml.eos_token_id", None)
+        bos = self._field("tokenizer.ggml.bos_token_id", None)
+        add_bos = self._field("tokenizer.ggml.add_bos_token", True)
+        return TokenizerInfo(bos_id=bos if add_bos else None, eos_ids=[] if eos is None else [int(eos)],
+                             chat_template=self._field("tokenizer.chat_template", None), files=files)
+
+    def vocab_tokens(self) -> list[str] | None:
+        f = self._field_raw("tokenizer.ggml.tokens")
+        return None if f is None else list(f.contents())

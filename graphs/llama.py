@@ -1,0 +1,275 @@
+"""The Llama-family decoder step as a static ONNX graph.
+
+One definition covers LlamaForCausalLM (SmolLM2, TinyLlama, Llama 2/3), MistralForCausalLM (no sliding
+window), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm): RMSNorm, RoPE read from
+tables by position, grouped-query attention over the masked past plus the step's own tokens, SwiGLU MLP,
+tied or untied LM head.
+
+Shape of the work, chosen for runtimes that want static shapes and plain ops (see shared/design.md §7):
+* q, k, v come from one fused MatMul and gate/up from another: fewer, larger weight reads.
+* GQA reshapes the queries to [B, H_kv, rep*T, D] instead of repeating K/V per query head.
+* The past is never concatenated with the step (that would copy S slots per layer): scores over the past
+  and over the step are computed separately, joined (they are small), softmaxed, split and applied to
+  past V and step V separately.
+* One additive float mask is built per step and shared by all layers; masks are made with Where on float
+  constants, never by casting bool to float.
+* The attention scale is folded into the query weights at export, and cos/sin come from tables in the
+  weights file (no Sin/Cos ops at run time, same values for every step graph).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import contract as C
+from .builder import GraphBuilder
+
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+class UnsupportedModel(ValueError):
+    """The model is outside what this family definition can express."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    family: str  # llama | mistral | qwen2 | qwen3
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    max_position_embeddings: int = 0
+    sliding_window: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def dims(self, context: int, batch: int, dtype: str, num_layers: int | None = None) -> C.ModelDims:
+        return C.ModelDims(
+            num_layers=num_layers or self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+            context=context, batch=batch, dtype=dtype,
+        )
+
+    def check(self, context: int) -> None:
+        """Refuse what the graph cannot express exactly, with a message naming the reason."""
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UnsupportedModel(f"head_dim {self.head_dim} is odd; RoPE needs an even head_dim")
+        if self.sliding_window is not None and self.sliding_window < context:
+            raise UnsupportedModel(
+                f"sliding_window {self.sliding_window} is smaller than --context {context}; sliding-window "
+                f"attention is not supported (export with --context <= {self.sliding_window})")
+        rope_inv_freq(self, context)  # raises on unsupported rope scaling
+
+
+def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [D/2] (float32, as transformers computes them) and the cos/sin scale."""
+    d = cfg.head_dim
+    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+    scaling = dict(cfg.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if kind == "dynamic":
+        # Dynamic NTK only changes the frequencies once the sequence outgrows the trained length; a static
+        # context that never does is plain RoPE.
+        limit = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        if context > limit:
+            raise UnsupportedModel(f"rope_scaling 'dynamic' changes with length beyond {limit} positions; export with --context <= {limit}")
+        return inv, 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    raise UnsupportedModel(f"rope_scaling type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and signed sin tables [context, D], one row per position.
+
+    rotate_half(x) = concat(-x2, x1); we compute it as swap_halves(x) * [-sin, sin], so the sign lives in the
+    table. Angles are float32 products like transformers', cos/sin are rounded from float64.
+    """
+    inv, scale = rope_inv_freq(cfg, context)
+    angles = np.arange(context, dtype=np.float32)[:, None] * inv[None, :]  # float32 products, as in torch
+    angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
+    half = cfg.head_dim // 2
+    sign = np.concatenate([-np.ones(half), np.ones(half)])
+    cos = (np.cos(angles) * scale).astype(np.float32)
+    sin = (np.sin(angles) * scale * sign).astype(np.float32)
+    return cos, sin
+
+
+# -- weights ------------------------------------------------------------------------------------------
+def weight_names(cfg: LlamaConfig) -> list[str]:
+    names = ["embed", "norm", "rope.cos", "rope.sin"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head")
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names += [p + "attn_norm", p + "qkv", p + "o", p + "mlp_norm", p + "gate_up", p + "down"]
+        if cfg.attention_bias:
+            names.append(p + "qkv_bias")
+        if cfg.qk_norm:
+            names.append(p + "qk_norm")
+    return names
+
+
+def graph_weights(cfg: LlamaConfig, context: int, dtype: str,
+                  hf: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield the graph's tensors, one at a time, from HF-named float32 tensors.
+
+    `hf(name)` returns a tensor by its transformers name (e.g. "model.layers.0.self_attn.q_proj.weight").
+    MatMul weights are stored [in, out] (x @ W), q/k/v and gate/up fused; the head keeps [V, hidden] so a
+    tied head and the embedding are one tensor (Gemm with transB reads it).
+    """
+    np_dtype = np.dtype(dtype)
+    scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+    cos, sin = rope_tables(cfg, context)
+    yield "rope.cos", cos.astype(np_dtype)
+    yield "rope.sin", sin.astype(np_dtype)
+    yield "embed", hf("model.embed_tokens.weight").astype(np_dtype)
+    for i in range(cfg.num_layers):
+        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        yield p + "attn_norm", hf(f"model.layers.{i}.input_layernorm.weight").astype(np_dtype)
+        q = hf(a + "q_proj.weight")
+        if not cfg.qk_norm:
+            q = q * scale  # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded there)
+        qkv = np.concatenate([q, hf(a + "k_proj.weight"), hf(a + "v_proj.weight")], axis=0)
+        yield p + "qkv", np.ascontiguousarray(qkv.T).astype(np_dtype)
+        if cfg.attention_bias:
+            qb = hf(a + "q_proj.bias")
+            if not cfg.qk_norm:
+                qb = qb * scale
+            yield p + "qkv_bias", np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")]).astype(np_dtype)
+        if cfg.qk_norm:
+            qn = hf(a + "q_norm.weight") * scale
+            kn = hf(a + "k_norm.weight")
+            rows = [qn] * cfg.num_heads + [kn] * cfg.num_kv_heads
+            yield p + "qk_norm", np.stack(rows).astype(np_dtype)  # [H + H_kv, D]
+        yield p + "o", np.ascontiguousarray(hf(a + "o_proj.weight").T).astype(np_dtype)
+        yield p + "mlp_norm", hf(f"model.layers.{i}.post_attention_layernorm.weight").astype(np_dtype)
+        gate_up = np.concatenate([hf(m + "gate_proj.weight"), hf(m + "up_proj.weight")], axis=0)
+        yield p + "gate_up", np.ascontiguousarray(gate_up.T).astype(np_dtype)
+        yield p + "down", np.ascontiguousarray(hf(m + "down_proj.weight").T).astype(np_dtype)
+    yield "norm", hf("model.norm.weight").astype(np_dtype)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head", hf("lm_head.weight").astype(np_dtype)
+
+
+# -- the step graph -----------------------------------------------------------------------------------
+def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
+    # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm.
+    var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, dtype)), axes=[-1], keepdims=1)
+    return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, g.const(eps, dtype)))), weight)
+
+
+def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
+                     step_mask: bool = False) -> None:
+    """Fill `g` with the step graph for T = `tokens` (role: contract.PREFILL or contract.STEP)."""
+    B, T, S = dims.batch, tokens, dims.context
+    H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    rep = H // Hkv
+    dt = dims.dtype
+    neg = float(np.finfo(np.dtype(dt)).min)  # additive mask value: finite, so garbage + neg stays hugely negative
+
+    specs = {s.name: s for s in C.step_inputs(dims, T, step_mask)}
+    input_ids, position_ids, cache_len = (g.input(specs[n]) for n in (C.INPUT_IDS, C.POSITION_IDS, C.CACHE_LEN))
+    pasts = [(g.input(specs[C.past_key(i)]), g.input(specs[C.past_value(i)])) for i in range(dims.num_layers)]
+    out_specs = {s.name: s for s in C.step_outputs(dims, T, role)}
+
+    # One mask per step, [B, 1, rep*T, S+T], shared by every layer. Past slot s is visible iff
+    # s < cache_len; step token j is visible to step token i iff j <= i (or step_mask[i, j]); the diagonal
+    # is always visible, so no softmax row is ever fully masked.
+    zero, minus = g.const(0.0, dt), g.const(neg, dt)
+    slots = g.const(np.arange(S, dtype=np.int64))
+    past_ok = g.op("Less", slots, g.op("Unsqueeze", cache_len, g.ints(1)))  # [B, S]
+    past_mask = g.op("Where", past_ok, zero, minus)
+    past_mask = g.op("Expand", g.op("Unsqueeze", past_mask, g.ints(1)), g.ints(B, T, S))  # [B, T, S]
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    if step_mask:
+        seen = g.op("Or", g.input(specs[C.STEP_MASK]), g.const(np.eye(T, dtype=bool)))
+        step_part = g.op("Where", seen, zero, minus)  # [B, T, T]
+    else:
+        step_part = g.const(np.broadcast_to(np.where(causal, 0.0, neg), (B, T, T)).astype(dt))
+    mask = g.op("Concat", past_mask, step_part, axis=-1)  # [B, T, S+T]
+    mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(1, 2)), g.ints(B, 1, rep, T, S + T))
+    mask = g.op("Reshape", mask, g.ints(B, 1, rep * T, S + T))
+
+    # RoPE tables at the step's positions: [B, T, 1, D], broadcast over heads.
+    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))
+    sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin"), position_ids, axis=0), g.ints(2))
+
+    x = g.op("Gather", g.weight("embed"), input_ids, axis=0)  # [B, T, E]
+    for i, (past_k, past_v) in enumerate(pasts):
+        p = f"layers.{i}."
+        h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt)
+        qkv = g.op("MatMul", h, g.weight(p + "qkv"))
+        if cfg.attention_bias:
+            qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
+        qkv = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D))
+        qk = g.op("Slice", qkv, g.ints(0), g.ints(H + Hkv), g.ints(2))  # q and k heads get RoPE together
+        v = g.op("Slice", qkv, g.ints(H + Hkv), g.ints(H + 2 * Hkv), g.ints(2))
+        if cfg.qk_norm:
+            qk = _rms_norm(g, qk, g.weight(p + "qk_norm"), cfg.rms_norm_eps, dt)
+        x1, x2 = g.op("Split", qk, axis=-1, outputs=2)
+        qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("Concat", x2, x1, axis=-1), sin))
+        q = g.op("Slice", qk, g.ints(0), g.ints(H), g.ints(2))  # [B, T, H, D]
+        k = g.op("Slice", qk, g.ints(H), g.ints(H + Hkv), g.ints(2))  # [B, T, Hkv, D]
+        new_k = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+        new_v = g.op("Transpose", v, perm=[0, 2, 1, 3])
+        g.output(new_k, out_specs[C.new_key(i)])
+        g.output(new_v, out_specs[C.new_value(i)])
+
+        # Query head h = kv*rep + r reads kv head kv (transformers' repeat_kv order).
+        q = g.op("Reshape", q, g.ints(B, T, Hkv, rep, D))
+        q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), g.ints(B, Hkv, rep * T, D))
+        scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, rep*T, S]
+        scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, rep*T, T]
+        scores = g.op("Add", g.op("Concat", scores_past, scores_step, axis=-1), mask)
+        probs = g.op("Softmax", scores, axis=-1)
+        probs_past, probs_step = g.op("Split", probs, g.ints(S, T), axis=-1, outputs=2)
+        attn = g.op("Add", g.op("MatMul", probs_past, past_v), g.op("MatMul", probs_step, new_v))
+        attn = g.op("Reshape", attn, g.ints(B, Hkv, rep, T, D))
+        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.ints(B, T, H * D))
+        x = g.op("Add", x, g.op("MatMul", attn, g.weight(p + "o")))
+
+        h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt)
+        gate, up = g.op("Split", g.op("MatMul", h, g.weight(p + "gate_up")), axis=-1, outputs=2)
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+        x = g.op("Add", x, g.op("MatMul", act, g.weight(p + "down")))
+
+    if role == C.STEP:
+        h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt)
+        head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
+        logits = g.op("Gemm", g.op("Reshape", h, g.ints(B * T, E)), head, transB=1)  # [B*T, V]
+        logits = g.op("Reshape", logits, g.ints(B, T, dims.vocab_size))
+        if dt != "float32":
+            logits = g.op("Cast", logits, to=1)  # the contract's logits are float32
+        g.output(logits, out_specs[C.LOGITS])

@@ -1,0 +1,190 @@
+"""The bundle's manifest.json and weights index: one definition, read by the runtime and the checker,
+written by the exporter. Needs nothing but the standard library (the runtime imports it).
+
+A bundle is a flat directory:
+
+  manifest.json                 this file's schema (FORMAT, VERSION)
+  target.weights.bin            raw tensors of the target, shared by all its graphs (external data)
+  target.weights.json           {name: {dtype, shape, offset, length}} for target.weights.bin
+  target.prefill32.onnx         one static graph per role and token count T
+  target.step1.onnx, target.step5.onnx, ...
+  draft.*                       the same for the draft (a layer draft reuses target.weights.bin)
+  tokenizer/tokenizer.json ...  tokenizer files, when the source had them
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from . import contract as C
+
+FORMAT = "specedge-bundle"
+VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_NAMES = ("target", "draft")
+
+
+class BundleError(ValueError):
+    """The bundle on disk is missing, corrupt, or disagrees with itself."""
+
+
+def graph_file(model: str, role: str, tokens: int) -> str:
+    return f"{model}.{role}{tokens}.onnx"
+
+
+def weights_file(model: str) -> str:
+    return f"{model}.weights.bin"
+
+
+def weights_index_file(weights: str) -> str:
+    return weights[: -len(".bin")] + ".json" if weights.endswith(".bin") else weights + ".json"
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """Where one tensor lives inside a weights file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "length": self.length}
+
+
+def write_index(path: str, refs: dict[str, WeightRef]) -> None:
+    with open(path, "w") as f:
+        json.dump({name: ref.to_json() for name, ref in refs.items()}, f, indent=0)
+
+
+def read_index(path: str) -> dict[str, WeightRef]:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {n: WeightRef(n, v["dtype"], tuple(v["shape"]), int(v["offset"]), int(v["length"])) for n, v in raw.items()}
+    except FileNotFoundError:
+        raise BundleError(f"weights index missing: {path}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"weights index {path} is corrupt ({e})") from None
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    tokens: int  # T
+    role: str  # contract.PREFILL | contract.STEP
+    file: str
+    step_mask: bool = False
+
+
+@dataclass
+class ModelEntry:
+    dims: C.ModelDims
+    family: str
+    weights: str  # relative path of the raw weights file
+    graphs: list[GraphEntry]
+    source: str = ""
+    layers_of: str | None = None  # "target" for a draft cut from the target's first layers
+
+    def graph(self, role: str, tokens: int) -> GraphEntry | None:
+        return next((g for g in self.graphs if g.role == role and g.tokens == tokens), None)
+
+    def step_tokens(self) -> list[int]:
+        return sorted(g.tokens for g in self.graphs if g.role == C.STEP)
+
+    def prefill_tokens(self) -> int | None:
+        return max((g.tokens for g in self.graphs if g.role == C.PREFILL), default=None)
+
+    def to_json(self) -> dict:
+        d = {"family": self.family, **self.dims.to_json(), "weights": self.weights,
+             "weights_index": weights_index_file(self.weights),
+             "graphs": [asdict(g) for g in self.graphs], "source": self.source}
+        if self.layers_of:
+            d["layers_of"] = self.layers_of
+        return d
+
+
+@dataclass
+class TokenizerEntry:
+    files: list[str] = field(default_factory=list)
+    bos_id: int | None = None
+    eos_ids: list[int] = field(default_factory=list)
+    chat_template: str | None = None
+
+
+@dataclass
+class Manifest:
+    models: dict[str, ModelEntry]
+    tokenizer: TokenizerEntry
+    opset: int = C.OPSET
+    portable: bool = True  # standard ONNX domain only, no runtime-specific ops
+    export: dict = field(default_factory=dict)  # the exporter settings that produced the bundle
+    vocab: dict = field(default_factory=dict)  # target/draft vocab sizes and how they were matched
+
+    @property
+    def target(self) -> ModelEntry:
+        return self.models["target"]
+
+    @property
+    def draft(self) -> ModelEntry | None:
+        return self.models.get("draft")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "opset": self.opset, "portable": self.portable,
+                "models": {k: m.to_json() for k, m in self.models.items()},
+                "tokenizer": asdict(self.tokenizer), "vocab": self.vocab, "export": self.export}
+
+    def save(self, bundle_dir: str) -> None:
+        with open(os.path.join(bundle_dir, MANIFEST), "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+
+
+def _model_from_json(name: str, d: dict) -> ModelEntry:
+    try:
+        dims = C.ModelDims.from_json(d)
+        graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], bool(g.get("step_mask", False))) for g in d["graphs"]]
+        entry = ModelEntry(dims=dims, family=d["family"], weights=d["weights"], graphs=graphs,
+                           source=d.get("source", ""), layers_of=d.get("layers_of"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"manifest: model '{name}' is malformed ({type(e).__name__}: {e})") from None
+    if dims.dtype not in C.DTYPES:
+        raise BundleError(f"manifest: model '{name}' has dtype {dims.dtype}, expected one of {C.DTYPES}")
+    for g in graphs:
+        if g.role not in C.ROLES or g.tokens < 1:
+            raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r} and tokens {g.tokens}")
+    if not any(g.role == C.STEP and g.tokens == 1 for g in graphs):
+        raise BundleError(f"manifest: model '{name}' has no T=1 step graph")
+    return entry
+
+
+def load_manifest(bundle_dir: str) -> Manifest:
+    path = os.path.join(bundle_dir, MANIFEST)
+    if not os.path.isdir(bundle_dir):
+        raise BundleError(f"bundle not found: {bundle_dir}")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise BundleError(f"{bundle_dir} has no {MANIFEST} (not a specedge bundle)") from None
+    except ValueError as e:
+        raise BundleError(f"{path} is not valid JSON ({e})") from None
+    if d.get("format") != FORMAT:
+        raise BundleError(f"{path}: format is {d.get('format')!r}, expected {FORMAT!r}")
+    if d.get("version") != VERSION:
+        raise BundleError(f"{path}: bundle version {d.get('version')} is not supported (this specedge reads {VERSION})")
+    models = d.get("models") or {}
+    if "target" not in models:
+        raise BundleError(f"{path}: no models.target")
+    unknown = set(models) - set(MODEL_NAMES)
+    if unknown:
+        raise BundleError(f"{path}: unknown models {sorted(unknown)}")
+    tok = d.get("tokenizer") or {}
+    return Manifest(
+        models={k: _model_from_json(k, v) for k, v in models.items()},
+        tokenizer=TokenizerEntry(files=list(tok.get("files", [])), bos_id=tok.get("bos_id"),
+                                 eos_ids=list(tok.get("eos_ids", [])), chat_template=tok.get("chat_template")),
+        opset=int(d.get("opset", C.OPSET)), portable=bool(d.get("portable", True)),
+        export=dict(d.get("export", {})), vocab=dict(d.get("vocab", {})),
+    )
