@@ -21,7 +21,7 @@ from ..graphs import llama
 from ..graphs.builder import GraphBuilder
 from ..graphs.manifest import (GraphEntry, Manifest, ModelEntry, TokenizerEntry, WeightRef, graph_file,
                                read_index, weights_file, weights_index_file, write_index)
-from .errors import ExportError
+from ..errors import ExportError
 from .sources import Source, open_source
 from .weights import write_weights
 
@@ -168,6 +168,9 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should look like any directory
     n_weights = len(llama.weight_names(target.config)) + (len(llama.weight_names(draft.config)) if draft else 0)
     n_graphs = 1 + len(opts.target_steps()) + ((1 + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
     bar = _Progress(n_weights + n_graphs, progress)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graphs.llama import FAMILIES, LlamaConfig
-from .errors import ExportError
+from ..errors import ExportError
 
 
 @dataclass
@@ -275,7 +275,7 @@ class GGUFSource(Source):
         if self.arch in ("llama", "mistral") and (".q_proj." in hf_name or ".k_proj." in hf_name):
             # llama.cpp's converter interleaves the rotary halves of q/k rows; undo it for rotate_half RoPE.
             heads = self.config.num_heads if ".q_proj." in hf_name else self.config.num_kv_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         return w
 
     def tokenizer(self) -> TokenizerInfo:

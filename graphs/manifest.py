@@ -17,16 +17,13 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from ..errors import BundleError
 from . import contract as C
 
 FORMAT = "specedge-bundle"
 VERSION = 1
 MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
-
-
-class BundleError(ValueError):
-    """The bundle on disk is missing, corrupt, or disagrees with itself."""
 
 
 def graph_file(model: str, role: str, tokens: int) -> str:

@@ -1,0 +1,68 @@
+"""Inference backends: run a bundle's step graphs over buffers the runtime owns.
+
+Every backend has the same two-object shape:
+
+  backend = create_backend("cpu", threads=2)
+  backend.add_weights_file(path, index)          # one mmap per weights file, shared by all sessions
+  session = backend.load(graph_path, prepack=True)
+  session.bind(inputs={name: array}, outputs={name: array})   # once: zero-copy views of runtime buffers
+  session.run()                                  # per step: reads the inputs, writes the outputs in place
+
+Backends:
+  cpu       onnxruntime on the CPU through its C API (ort_capi): all sessions of a model share ONE copy of the
+            prepacked weights, so a bundle with many step graphs costs about one model of memory. Falls back
+            to `ort` when the C library cannot be found.
+  ort       onnxruntime's Python API on the CPU; each prepacking session holds its own packed weights.
+  cuda      onnxruntime-gpu with the CUDA execution provider (pip install 'specedge[cuda]').
+  tensorrt  onnxruntime-gpu with the TensorRT execution provider (needs TensorRT libraries).
+The GPU backends cannot be tested on the CPU-only development machine; they are thin provider choices over
+the same `ort` code path.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from ...errors import BackendError, BundleError
+from ...graphs.manifest import WeightRef
+
+BACKENDS = ("cpu", "ort", "cuda", "tensorrt")
+
+
+def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict[str, np.ndarray]]:
+    """Read-only views of every indexed tensor over one mmap of the weights file (no copy, no read)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            need = max((r.offset + r.length for r in index.values()), default=0)
+            if size < need:
+                raise BundleError(f"weights file {path} is truncated: {size} bytes, the index needs {need}")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise BundleError(f"weights file missing: {path}") from None
+    tensors = {}
+    for name, ref in index.items():
+        dtype = np.dtype(ref.dtype)
+        count = ref.length // dtype.itemsize
+        if count != int(np.prod(ref.shape)):
+            raise BundleError(f"weights index entry {name}: {ref.length} bytes do not hold {ref.dtype}{list(ref.shape)}")
+        tensors[name] = np.frombuffer(mapped, dtype=dtype, count=count, offset=ref.offset).reshape(ref.shape)
+    return mapped, tensors
+
+
+def create_backend(name: str = "cpu", threads: int | None = None):
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        raise BackendError("onnxruntime is not installed: pip install onnxruntime") from None
+    if name == "cpu":
+        from . import ort_capi
+        if ort_capi.available():
+            return ort_capi.CapiBackend(threads)
+        name = "ort"
+    from .ort_python import OrtBackend
+    return OrtBackend(name, threads)

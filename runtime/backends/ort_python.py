@@ -1,0 +1,106 @@
+"""onnxruntime through its Python API: CPU, CUDA or TensorRT execution providers.
+
+Weights are handed to every session as OrtValues over one mmap (SessionOptions.add_initializer), so the raw
+weights exist once; prepacking sessions still keep private packed copies (the Python API has no shared
+prepacked-weights container; the `cpu` backend in ort_capi.py does). Buffers are bound once with I/O binding,
+so a step moves no data through Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import BackendError
+from ...graphs.manifest import WeightRef
+from . import map_weights
+
+_PROVIDERS = {
+    "ort": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+          "tensor(int32)": "int32", "tensor(bool)": "bool"}
+
+
+class OrtSession:
+    def __init__(self, session, device: str):
+        self._session = session
+        self._device = device
+        self.inputs = [(i.name, _TYPES.get(i.type, i.type), tuple(d if isinstance(d, int) else -1 for d in i.shape))
+                       for i in session.get_inputs()]
+        self.outputs = [(o.name, _TYPES.get(o.type, o.type), tuple(d if isinstance(d, int) else -1 for d in o.shape))
+                        for o in session.get_outputs()]
+        self._binding = None
+        self._keep = None
+
+    def bind(self, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+        _check_arrays("input", self.inputs, inputs)
+        _check_arrays("output", self.outputs, outputs)
+        binding = self._session.io_binding()
+        for name, array in inputs.items():
+            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        for name, array in outputs.items():
+            binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        self._binding, self._keep = binding, (inputs, outputs)
+
+    def run(self) -> None:
+        self._session.run_with_iobinding(self._binding)
+
+    def close(self) -> None:
+        self._binding = self._keep = self._session = None
+
+
+def _check_arrays(kind: str, specs, arrays: dict[str, np.ndarray]) -> None:
+    want = {name: (dtype, shape) for name, dtype, shape in specs}
+    if set(arrays) != set(want):
+        missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+        raise BackendError(f"cannot bind {kind}s: missing {missing}, unexpected {extra}")
+    for name, array in arrays.items():
+        dtype, shape = want[name]
+        if array.dtype.name != dtype or tuple(array.shape) != shape or not array.flags.c_contiguous:
+            raise BackendError(f"cannot bind {kind} {name}: got {array.dtype.name}{list(array.shape)}"
+                               f"{'' if array.flags.c_contiguous else ' (not contiguous)'}, graph wants {dtype}{list(shape)}")
+
+
+class OrtBackend:
+    def __init__(self, name: str, threads: int | None):
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.name = name
+        self.providers = _PROVIDERS[name]
+        missing = set(self.providers) - set(ort.get_available_providers())
+        if missing:
+            extra = "cuda" if name == "cuda" else "tensorrt"
+            raise BackendError(f"backend {name!r} needs {', '.join(sorted(missing))}, which this onnxruntime "
+                               f"lacks: pip install 'specedge[{extra}]' on a machine with an NVIDIA GPU")
+        self.threads = threads
+        self._weights: dict[str, object] = {}
+        self._maps = []
+
+    def add_weights_file(self, path: str, index: dict[str, WeightRef]) -> None:
+        mapped, tensors = map_weights(path, index)
+        self._maps.append(mapped)
+        for name, array in tensors.items():
+            self._weights[name] = self._ort.OrtValue.ortvalue_from_numpy(array)
+
+    def load(self, graph_path: str, prepack: bool = True) -> OrtSession:
+        so = self._ort.SessionOptions()
+        if self.threads:
+            so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        for name, value in self._weights.items():  # names the graph does not use are ignored
+            so.add_initializer(name, value)
+        try:
+            session = self._ort.InferenceSession(graph_path, so, providers=self.providers)
+        except Exception as e:
+            raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
+        return OrtSession(session, "cpu")
+
+    def close(self) -> None:
+        self._weights.clear()
+        self._maps.clear()  # the mmaps close once no array refers to them
+

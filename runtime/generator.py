@@ -1,0 +1,209 @@
+"""The speculative loop: draft -> verify -> commit, over a bundle's static step graphs.
+
+Invariant, per model: its cache holds every committed token except the last one, the *pending* token.
+Each round:
+  1. draft   the proposer offers k tokens d_1..d_k (with their real q when sampled);
+  2. verify  the target runs one step on [pending, d_1..d_k]; row j of its logits judges d_{j+1}, row k
+             gives the bonus token;
+  3. commit  accept greedily (argmax, lowest id on ties) or by min(1, p/q) with a residual resample; the
+             target keeps pending + accepted drafts by setting cache_len, the proposer syncs the same way,
+             and the new token becomes pending.
+Plain decode is the same loop with k = 0, through the same graphs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import BundleError, GenerationError
+from ..graphs import contract as C
+from ..graphs.manifest import Manifest, load_manifest, read_index, weights_index_file
+from .acceptance import accept_greedy, accept_sampling
+from .backends import create_backend
+from .model import ModelRunner
+from .proposers import DraftModelProposer, NgramProposer, NoProposer, Sampler
+from .sampling import SamplingParams, probs_from_logits
+from .stats import Stats
+from .tokenizer import Tokenizer
+
+PROPOSERS = ("draft", "ngram", "none")
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]
+    stats: Stats
+    text: str | None = None
+
+
+class Generator:
+    def __init__(self, bundle_dir: str, manifest: Manifest, backend):
+        self.bundle_dir = bundle_dir
+        self.manifest = manifest
+        self.backend = backend
+        self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
+        self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend) if manifest.draft else None
+        self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
+        self.eos_ids = list(manifest.tokenizer.eos_ids)
+
+    @classmethod
+    def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "Generator":
+        manifest = load_manifest(bundle)
+        if manifest.target.dims.batch != 1:
+            raise BundleError(f"this bundle has batch {manifest.target.dims.batch}; the generator runs one "
+                              "sequence at a time (export with --batch 1)")
+        _check_vocab(manifest)
+        engine = create_backend(backend, threads)
+        for weights in {m.weights for m in manifest.models.values()}:
+            index = read_index(os.path.join(bundle, weights_index_file(weights)))
+            engine.add_weights_file(os.path.join(bundle, weights), index)
+        return cls(bundle, manifest, engine)
+
+    def close(self) -> None:
+        self.target.close()
+        if self.draft:
+            self.draft.close()
+        self.backend.close()
+
+    # -- validation ----------------------------------------------------------------------------------
+    def _validate(self, prompt_ids, max_new_tokens, proposer, gamma) -> None:
+        S = self.target.dims.context
+        if len(prompt_ids) == 0:
+            raise GenerationError("the prompt is empty")
+        if len(prompt_ids) >= S:
+            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens; the bundle's context holds {S}, "
+                                  "so prompts must be shorter than that")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.dims.vocab_size]
+        if bad:
+            raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.dims.vocab_size - 1})")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        if proposer not in PROPOSERS:
+            raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
+        if proposer == "draft" and self.draft is None:
+            raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
+                                  "--draft-layers), or use --proposer ngram")
+        if proposer != "none":
+            verify = [t - 1 for t in self.manifest.target.step_tokens() if t > 1]
+            if gamma not in verify:
+                raise GenerationError(f"gamma {gamma} has no verify graph (T={gamma + 1}) in this bundle; "
+                                      f"exported gammas: {', '.join(map(str, verify)) or 'none'}")
+
+    def _proposer(self, name: str, ngram: tuple[int, int]):
+        if name == "draft":
+            return DraftModelProposer(self.draft)
+        if name == "ngram":
+            return NgramProposer(*ngram)
+        return NoProposer()
+
+    def _warm(self, proposer: str, gamma: int) -> None:
+        """Create the sessions this run needs now, so a broken graph fails before any output."""
+        chunk = self.manifest.target.prefill_tokens()
+        prefill = [(C.PREFILL, chunk)] if chunk else []
+        self.target.warm(prefill + [(C.STEP, 1)] + ([(C.STEP, gamma + 1)] if proposer != "none" else []))
+        if proposer == "draft":
+            draft_chunk = self.manifest.draft.prefill_tokens()
+            self.draft.warm(([(C.PREFILL, draft_chunk)] if draft_chunk else []) + [(C.STEP, 1), (C.STEP, 2)])
+
+    def _max_drafts(self, wanted: int) -> int:
+        """The most drafts (<= wanted) whose verify step fits a graph and the free cache slots."""
+        for k in range(wanted, 0, -1):
+            if self.target.step_graph_for(k + 1) is not None:
+                return k
+        return 0
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop_ids: list[int] | None = None, stats: Stats | None = None,
+               ngram: tuple[int, int] = (2, 4)) -> Iterator[list[int]]:
+        """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given."""
+        try:
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, max_new_tokens, proposer, gamma)
+        stop = set(self.eos_ids if stop_ids is None else stop_ids)
+        stats = stats if stats is not None else Stats()
+        stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
+        sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
+        drafter = self._proposer(proposer, ngram)
+        target = self.target
+        graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
+
+        self._warm(proposer, gamma)
+        stats.start()
+        target.reset()
+        target.prefill(prompt[:-1])
+        drafter.start(prompt)
+        stats.prefill_ms = stats.ms_since_start()
+        context = list(prompt)
+        emitted = 0
+        reason = ""
+        while not reason:
+            if target.cache.free < 1:
+                reason = "context_full"
+                break
+            t0 = time.perf_counter()
+            k = self._max_drafts(min(gamma, max_new_tokens - emitted - 1)) if proposer != "none" else 0
+            proposal = drafter.propose(context, k, sampler)
+            t1 = time.perf_counter()
+            base = target.cache.used
+            logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+            t2 = time.perf_counter()
+            if params.greedy:
+                n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
+            else:
+                p = probs_from_logits(logits, params)
+                n_accepted, next_token = accept_sampling(np.asarray(proposal.tokens, np.int64),
+                                                         proposal.draft_probs, p, sampler.rng)
+            target.cache.set_length(base + 1 + n_accepted)
+            drafter.commit(n_accepted, next_token)
+            new = proposal.tokens[:n_accepted] + [int(next_token)]
+            for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
+                if token in stop:
+                    new, reason = new[: i + 1], "stop"
+                    break
+                if emitted + i + 1 >= max_new_tokens:
+                    new, reason = new[: i + 1], "max_new_tokens"
+                    break
+            context += new
+            emitted += len(new)
+            stats.record_round(len(proposal.tokens), len(new) - 1)
+            stats.record_tokens(len(new))
+            stats.draft_ms += (t1 - t0) * 1e3
+            stats.verify_ms += (t2 - t1) * 1e3
+            stats.commit_ms += (time.perf_counter() - t2) * 1e3
+            yield new
+        graph_after = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
+        stats.graph_ms = (graph_after - graph_before) * 1e3
+        stats.finish(reason)
+
+    def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4)) -> GenerationResult:
+        stats = Stats()
+        tokens: list[int] = []
+        for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
+                               stop_ids, stats=stats, ngram=ngram):
+            tokens += new
+        text = self.tokenizer.decode(tokens) if self.tokenizer else None
+        return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)
+
+
+def _check_vocab(manifest: Manifest) -> None:
+    """A draft must speak the target's vocabulary; the exporter recorded how that was established."""
+    draft = manifest.draft
+    if draft is None:
+        return
+    vocab = manifest.vocab
+    recorded = (vocab.get("target"), vocab.get("draft"))
+    if not vocab.get("match") or recorded != (manifest.target.dims.vocab_size, draft.dims.vocab_size):
+        raise BundleError(f"draft and target vocabularies do not match (manifest vocab record {vocab}, model "
+                          f"vocab sizes {manifest.target.dims.vocab_size} and {draft.dims.vocab_size})")

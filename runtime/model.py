@@ -1,0 +1,147 @@
+"""One model of a bundle at run time: its step sessions, its KV cache, and `run(tokens)`.
+
+`run` feeds n tokens through the smallest step graph that holds them (padding the rest), writes their K/V
+after the valid entries and advances `cache_len` by n; the caller rolls back with `cache.set_length`. The sessions are created on first
+use and bound once to the runtime's buffers: the cache buffers and `cache_len` are shared by every step
+graph of the model, and each graph has its own input_ids/position_ids/logits/new K/V arrays.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..errors import BackendError, BundleError
+from ..graphs import contract as C
+from ..graphs.manifest import GraphEntry, ModelEntry
+from .kv_cache import KVCache
+
+
+class _Step:
+    """One bound step session: T tokens in, logits (step role) and new K/V out."""
+
+    def __init__(self, session, dims: C.ModelDims, graph: GraphEntry, cache: KVCache):
+        B, T = dims.batch, graph.tokens
+        self.tokens, self.role = T, graph.role
+        self.input_ids = np.zeros((B, T), np.int64)
+        self.position_ids = np.zeros((B, T), np.int64)
+        self.logits = np.zeros((B, T, dims.vocab_size), np.float32) if graph.role == C.STEP else None
+        self.new_keys = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
+        self.new_values = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
+        inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
+        outputs = {}
+        if self.logits is not None:
+            outputs[C.LOGITS] = self.logits
+        for i in range(dims.num_layers):
+            inputs[C.past_key(i)], inputs[C.past_value(i)] = cache.keys[i], cache.values[i]
+            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_keys[i], self.new_values[i]
+        session.bind(inputs, outputs)
+        self.session = session
+
+
+class ModelRunner:
+    def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend):
+        self.name = name
+        self.entry = entry
+        self.dims = entry.dims
+        self.cache = KVCache(entry.dims)
+        self._dir = bundle_dir
+        self._backend = backend
+        self._steps: dict[tuple[str, int], _Step] = {}
+        self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
+        self.graph_runs = 0
+
+    # -- sessions ------------------------------------------------------------------------------------
+    def _step(self, role: str, tokens: int) -> _Step:
+        key = (role, tokens)
+        if key not in self._steps:
+            graph = self.entry.graph(role, tokens)
+            path = os.path.join(self._dir, graph.file)
+            if not os.path.isfile(path):
+                raise BundleError(f"graph file missing: {path}")
+            try:
+                session = self._backend.load(path)
+            except BackendError as e:
+                raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
+            _check_io(graph, self.dims, session)
+            self._steps[key] = _Step(session, self.dims, graph, self.cache)
+        return self._steps[key]
+
+    def warm(self, roles_tokens: list[tuple[str, int]]) -> None:
+        """Create (and validate) the sessions a run will need, before it starts producing output."""
+        for role, tokens in roles_tokens:
+            self._step(role, tokens)
+
+    # -- graph choice --------------------------------------------------------------------------------
+    def step_graph_for(self, n: int) -> int | None:
+        """The smallest step graph that holds n tokens and fits in the free cache slots."""
+        fits = [t for t in self.entry.step_tokens() if n <= t <= self.cache.free]
+        return min(fits) if fits else None
+
+    def _prefill_plan(self, remaining: int) -> tuple[str, int]:
+        """Full prefill chunks first; a short tail goes through the smallest step graph that holds it (its
+        LM head is cheap at a few rows), a longer one through a padded chunk."""
+        chunk, steps = self.entry.prefill_tokens(), self.entry.step_tokens()
+        chunk_fits = chunk is not None and chunk <= self.cache.free
+        if chunk_fits and (remaining >= chunk or remaining > max(steps)):
+            return C.PREFILL, chunk
+        t = self.step_graph_for(remaining)
+        if t is None:  # near the end of the cache: the largest graph that fits, then loop
+            fits = [t for t in steps if t <= self.cache.free]
+            if not fits:
+                raise ValueError("cache full")
+            t = max(fits)
+        return C.STEP, t
+
+    # -- running -------------------------------------------------------------------------------------
+    def _execute(self, role: str, T: int, tokens) -> _Step:
+        n = len(tokens)
+        step = self._step(role, T)
+        start = self.cache.used
+        step.input_ids[0, :n] = tokens
+        step.input_ids[0, n:] = 0
+        step.position_ids[0] = np.arange(start, start + T)  # padding rows continue the positions
+        began = time.perf_counter()
+        step.session.run()
+        self.graph_seconds += time.perf_counter() - began
+        self.graph_runs += 1
+        self.cache.append(step.new_keys, step.new_values, n)
+        return step
+
+    def run(self, tokens) -> np.ndarray:
+        """Process tokens in one step graph; return their logits [n, V] (a view, valid until the next run)."""
+        n = len(tokens)
+        T = self.step_graph_for(n)
+        if T is None:
+            raise ValueError(f"no step graph holds {n} tokens in {self.cache.free} free cache slots")
+        return self._execute(C.STEP, T, tokens).logits[0, :n]
+
+    def prefill(self, tokens) -> None:
+        """Fill the cache with tokens in the fewest graph runs; no logits are kept."""
+        done = 0
+        while done < len(tokens):
+            role, T = self._prefill_plan(len(tokens) - done)
+            n = min(T, len(tokens) - done)
+            self._execute(role, T, tokens[done:done + n])
+            done += n
+
+    def reset(self) -> None:
+        self.cache.set_length(0)
+
+    def close(self) -> None:
+        for step in self._steps.values():
+            step.session.close()
+        self._steps.clear()
+
+
+def _check_io(graph: GraphEntry, dims: C.ModelDims, session) -> None:
+    """A graph whose I/O disagrees with the manifest's dims would corrupt the cache silently: refuse it."""
+    want_in = {(s.name, s.dtype, s.shape) for s in C.step_inputs(dims, graph.tokens, graph.step_mask)}
+    want_out = {(s.name, s.dtype, s.shape) for s in C.step_outputs(dims, graph.tokens, graph.role)}
+    got_in = {(n, d, tuple(s)) for n, d, s in session.inputs}
+    got_out = {(n, d, tuple(s)) for n, d, s in session.outputs}
+    if got_in != want_in or got_out != want_out:
+        diff = sorted((want_in ^ got_in) | (want_out ^ got_out))[:3]
+        raise BundleError(f"manifest disagrees with {graph.file}: graph I/O {diff[0] if diff else ''} "
+                          f"does not match the manifest's dims (T={graph.tokens}, role={graph.role})")

@@ -1,0 +1,148 @@
+"""Proposers: where draft tokens come from. One small interface, three implementations.
+
+  start(prompt)                 the prompt is committed; its last token is pending (not yet in any cache)
+  propose(context, k, sampler)  up to k draft tokens continuing `context` (prompt + output so far, pending
+                                last) and their real draft distributions q [k, V], or None when q is a
+                                point mass (a deterministic proposer)
+  commit(n_accepted, next)      the target kept the first n_accepted drafts and then `next`: sync state
+
+`none` proposes nothing (plain decode); `ngram` looks the context's suffix up earlier in the context (prompt
+lookup); `draft` runs the bundle's draft model, whose cache follows the same invariant as the target's: it
+holds every committed token except the pending one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import ModelRunner
+from .sampling import SamplingParams, greedy_token, probs_from_logits, sample_token
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    draft_probs: np.ndarray | None  # q, float64 [k, V_target]; None: a point mass on each token
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY = Proposal([], None)
+
+
+class Sampler:
+    """The sampling settings and random stream one generation shares between draft and acceptance."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, vocab_size: int):
+        self.params, self.rng, self.vocab_size = params, rng, vocab_size
+
+    def draft_from(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """One draft token from draft logits [V_draft], with its q over the target's vocabulary."""
+        if self.params.greedy:
+            return greedy_token(logits[: self.vocab_size]), None
+        q = np.zeros(self.vocab_size)
+        shared = min(self.vocab_size, logits.shape[-1])  # a smaller draft head leaves q = 0 above it
+        q[:shared] = probs_from_logits(logits[None, :shared], self.params)[0]
+        return sample_token(q, self.rng), q
+
+
+class NoProposer:
+    name = "none"
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        return EMPTY
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        pass
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix (n_max down to n_min tokens) seen earlier; its continuation."""
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 2, n_max: int = 4):
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"ngram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        return Proposal(ngram_lookup(np.asarray(context), k, self.n_min, self.n_max), None) if k > 0 else EMPTY
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        pass
+
+
+def ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Continuation (up to k tokens) of the most recent earlier occurrence of the longest matching suffix."""
+    length = len(context)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = context[length - n:]
+        # Candidate starts 0 .. length-n-1: every earlier window, never the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(context[:length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start:start + k].tolist()
+    return []
+
+
+class DraftModelProposer:
+    """The bundle's draft model: k steps of its T=1 graph; T=2 when it catches up after a full accept."""
+
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._behind: list[int] = []  # committed tokens the draft cache lacks, the pending one excluded
+        self._feed: list[int] = []
+        self._proposed: list[int] = []
+        self._base = 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.runner.reset()
+        self.runner.prefill(prompt[:-1])
+        self._behind = []
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        cache = self.runner.cache
+        self._feed = self._behind + [context[-1]]
+        self._base = cache.used
+        self._proposed = []
+        # Slots needed: the feed, then every draft but the last (it is never fed back).
+        k = min(k, cache.free - len(self._feed) + 1)
+        if k < 1:
+            return EMPTY
+        if self.runner.step_graph_for(len(self._feed)) is None:
+            self.runner.prefill(self._feed[:-1])  # a long catch-up (rare): fill, then step on the last
+            logits = self.runner.run(self._feed[-1:])[-1]
+        else:
+            logits = self.runner.run(self._feed)[-1]
+        probs = []
+        for j in range(k):
+            token, q = sampler.draft_from(logits)
+            self._proposed.append(token)
+            probs.append(q)
+            if j < k - 1:
+                logits = self.runner.run([token])[-1]
+        return Proposal(list(self._proposed), None if sampler.params.greedy else np.stack(probs))
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        k = len(self._proposed)
+        if k == 0:
+            # The target consumed the pending token without drafts; the draft cache never saw it.
+            self.runner.cache.set_length(self._base)
+            self._behind = self._feed
+            return
+        # The cache now holds base + feed + drafts[:k-1]; keep the part the target accepted. After a full
+        # accept the last draft was never fed, so it waits to be fed with the next pending token (T=2).
+        self.runner.cache.set_length(self._base + len(self._feed) + min(n_accepted, k - 1))
+        self._behind = [self._proposed[-1]] if n_accepted == k else []

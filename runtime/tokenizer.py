@@ -1,0 +1,69 @@
+"""Text in and out, optional: the runtime itself works on token ids.
+
+Uses the `tokenizers` package (Rust, no torch) for tokenizer.json and `jinja2` for the chat template, when
+they are installed (pip install 'specedge[text]').
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import GenerationError
+from ..graphs.manifest import Manifest
+
+
+class Tokenizer:
+    def __init__(self, path: str, bos_id: int | None, chat_template: str | None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(path)
+        self.bos_id = bos_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str, manifest: Manifest) -> "Tokenizer | None":
+        path = os.path.join(bundle_dir, "tokenizer", "tokenizer.json")
+        if "tokenizer/tokenizer.json" not in manifest.tokenizer.files or not os.path.isfile(path):
+            return None
+        try:
+            return cls(path, manifest.tokenizer.bos_id, manifest.tokenizer.chat_template)
+        except ImportError:
+            return None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] + ids) if self.bos_id is not None and (not ids or ids[0] != self.bos_id) else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def apply_chat_template(self, user_text: str, system: str | None = None) -> list[int]:
+        """The chat template rendered for one user turn plus the assistant's generation prompt."""
+        if not self.chat_template:
+            raise GenerationError("this bundle's tokenizer has no chat template; drop --chat")
+        try:
+            import jinja2
+        except ImportError:
+            raise GenerationError("--chat needs jinja2: pip install 'specedge[text]'") from None
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+        text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          bos_token="", eos_token="")
+        # The template writes its own special tokens; add no BOS beyond what it wrote.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.printed = text[self.printed:], len(text)
+        return new

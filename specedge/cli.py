@@ -1,0 +1,106 @@
+"""The `specedge` command: export, check, generate, bench, demo.
+
+Each subcommand imports what it needs lazily, so `specedge generate` runs with only numpy + onnxruntime.
+Errors a user can cause print one line and exit 2; a traceback means a bug in specedge.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import SpecedgeError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="freeze a model (and a draft) into a bundle of static ONNX step graphs",
+                       description="Export a target causal LM, and optionally a draft, into a bundle: one static "
+                       "ONNX graph per token count T the runtime needs, one shared weights file per model, the "
+                       "tokenizer files and manifest.json. PATH is an HF model directory (config.json + "
+                       "*.safetensors) or a .gguf file.")
+    p.add_argument("--target", required=True, metavar="PATH", help="HF directory or .gguf file of the target")
+    p.add_argument("--draft", metavar="PATH", help="HF directory or .gguf of a draft sharing the target's tokenizer")
+    p.add_argument("--draft-layers", type=int, metavar="N",
+                   help="instead of --draft: a self-speculative draft made of the target's first N layers, final "
+                   "norm and LM head, reusing the target's weights file")
+    p.add_argument("--out", required=True, metavar="BUNDLE", help="output directory (must not exist, see --force)")
+    p.add_argument("--context", type=int, default=1024, help="cache slots S per sequence (default 1024)")
+    p.add_argument("--gamma", type=_ints, default=[1, 2, 4, 8], metavar="G1,G2",
+                   help="draft lengths to export verify graphs (T=gamma+1) for (default 1,2,4,8)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill graph run (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="weights, cache and activations (logits are always float32)")
+    p.add_argument("--prefill-logits", action="store_true",
+                   help="give the prefill graph logits for every row (parity checks; slower prefill)")
+    p.add_argument("--step-mask", action="store_true", help="add the optional step_mask input (tree verification)")
+    p.add_argument("--force", action="store_true", help="replace BUNDLE if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_export(a) -> int:
+    from .export.bundle import ExportOptions, export_bundle
+
+    opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk, batch=a.batch,
+                         dtype=a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
+                         step_mask=a.step_mask)
+    m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
+    graphs = sum(len(x.graphs) for x in m.models.values())
+    print(f"wrote {a.out}: {graphs} graphs, models: {', '.join(m.models)} ({m.export['seconds']} s)")
+    return 0
+
+
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="validate a bundle: manifest vs graphs, static shapes, portable ops, loading",
+                       description="Check every graph of a bundle against its manifest and the graph contract: "
+                       "I/O names, shapes and dtypes, every dim fixed, standard ONNX domain at the declared opset, "
+                       "onnx.checker full check, weights index vs external data, and loading in onnxruntime. "
+                       "Exit 0 only when everything holds.")
+    p.add_argument("bundle")
+    p.add_argument("--no-load", action="store_true", help="skip loading each graph in onnxruntime")
+
+
+def _run_check(a) -> int:
+    from .tools.check import check_bundle
+
+    report = check_bundle(a.bundle, load=not a.no_load)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specedge", description="Exact speculative decoding on static-shape "
+                                     "ONNX graphs with an explicit KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_export(sub)
+    _add_check(sub)
+    return parser
+
+
+COMMANDS = {"export": _run_export, "check": _run_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except SpecedgeError as e:
+        print(f"specedge {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""`specedge check BUNDLE`: does the bundle hold what its manifest says, in the portable form?
+
+For every graph: the file parses; its I/O names, dtypes and shapes are exactly the contract's for its
+model dims, T and role; every dim is a number; every node is in the standard ONNX domain at the declared
+opset; onnx.checker's full check passes; every initializer stored outside the graph points into the
+model's weights file at the offset, length, dtype and shape of the weights index; and onnxruntime loads
+the graph and runs it once on zeros with outputs of the contract's shapes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import BundleError
+from ..graphs import contract as C
+from ..graphs.manifest import GraphEntry, ModelEntry, load_manifest, read_index, weights_index_file
+
+_ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool"}
+
+
+@dataclass
+class Report:
+    lines: list[tuple[bool, str]] = field(default_factory=list)
+
+    def add(self, ok: bool, text: str) -> bool:
+        self.lines.append((ok, text))
+        return ok
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for ok, _ in self.lines)
+
+    def render(self) -> str:
+        body = "\n".join(f"  {'ok  ' if ok else 'FAIL'}  {text}" for ok, text in self.lines)
+        failed = sum(not ok for ok, _ in self.lines)
+        verdict = "bundle OK" if self.ok else f"bundle has {failed} problem{'s' if failed > 1 else ''}"
+        return f"{body}\n{verdict}"
+
+
+def _value_specs(values) -> tuple[list[C.TensorSpec], list[str]]:
+    specs, symbolic = [], []
+    for v in values:
+        t = v.type.tensor_type
+        dims = []
+        for d in t.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(d.dim_value)
+            else:
+                dims.append(-1)
+                symbolic.append(f"{v.name}[{d.dim_param or '?'}]")
+        specs.append(C.TensorSpec(v.name, _ONNX_TO_NP.get(t.elem_type, f"onnx:{t.elem_type}"), tuple(dims)))
+    return specs, symbolic
+
+
+def _compare(kind: str, got: list[C.TensorSpec], want: list[C.TensorSpec]) -> list[str]:
+    problems = []
+    got_by, want_by = {s.name: s for s in got}, {s.name: s for s in want}
+    for name in want_by.keys() - got_by.keys():
+        problems.append(f"missing {kind} {name}")
+    for name in got_by.keys() - want_by.keys():
+        problems.append(f"unexpected {kind} {name}")
+    for name in want_by.keys() & got_by.keys():
+        g, w = got_by[name], want_by[name]
+        if (g.dtype, g.shape) != (w.dtype, w.shape):
+            problems.append(f"{kind} {name} is {g.dtype}{list(g.shape)}, contract says {w.dtype}{list(w.shape)}")
+    return sorted(problems)
+
+
+def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, index, opset: int,
+                 report: Report, load: bool) -> None:
+    import onnx
+
+    path = os.path.join(bundle, graph.file)
+    label = f"{graph.file} ({name}, {graph.role}, T={graph.tokens})"
+    if not os.path.isfile(path):
+        report.add(False, f"{label}: file missing")
+        return
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError and friends on a truncated file
+        report.add(False, f"{label}: not a readable ONNX file ({type(e).__name__}: {e})")
+        return
+    dims = model.dims
+    ins, sym_in = _value_specs(proto.graph.input)
+    outs, sym_out = _value_specs(proto.graph.output)
+    problems = _compare("input", ins, C.step_inputs(dims, graph.tokens, graph.step_mask))
+    problems += _compare("output", outs, C.step_outputs(dims, graph.tokens, graph.role))
+    report.add(not problems, f"{label}: I/O matches the contract" if not problems else f"{label}: " + "; ".join(problems))
+    report.add(not (sym_in or sym_out), f"{label}: every dim is fixed" if not (sym_in or sym_out)
+               else f"{label}: symbolic dims {', '.join(sym_in + sym_out)}")
+
+    domains = {(o.domain or "ai.onnx", o.version) for o in proto.opset_import}
+    foreign = sorted({n.domain for n in proto.graph.node if n.domain not in ("", "ai.onnx")})
+    ok = domains == {("ai.onnx", opset)} and not foreign
+    report.add(ok, f"{label}: {len(proto.graph.node)} nodes, standard domain only, opset {opset}" if ok else
+               f"{label}: opsets {sorted(domains)}, non-standard node domains {foreign} (manifest says opset {opset})")
+
+    bad = []
+    for init in proto.graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        ref = index.get(init.name)
+        if info.get("location") != model.weights:
+            bad.append(f"{init.name} points at {info.get('location')}, not {model.weights}")
+        elif ref is None:
+            bad.append(f"{init.name} is not in the weights index")
+        elif (int(info.get("offset", 0)), int(info.get("length", -1))) != (ref.offset, ref.length) or \
+                tuple(init.dims) != ref.shape or _ONNX_TO_NP.get(init.data_type) != ref.dtype:
+            bad.append(f"{init.name} disagrees with the weights index")
+    report.add(not bad, f"{label}: weights point into {model.weights} as indexed" if not bad
+               else f"{label}: " + "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
+
+    try:
+        onnx.checker.check_model(path, full_check=True)
+        report.add(True, f"{label}: onnx.checker full check passes")
+    except Exception as e:
+        report.add(False, f"{label}: onnx.checker: {str(e).splitlines()[0]}")
+
+    if load:
+        _check_loads(bundle, model, graph, label, report)
+
+
+def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, report: Report) -> None:
+    from ..runtime.backends import create_backend
+
+    started = time.perf_counter()
+    try:
+        backend = create_backend("cpu", threads=None)
+        backend.add_weights_file(os.path.join(bundle, model.weights),
+                                 read_index(os.path.join(bundle, weights_index_file(model.weights))))
+        session = backend.load(os.path.join(bundle, graph.file), prepack=False)
+        feeds = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask)}
+        outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(model.dims, graph.tokens, graph.role)}
+        session.bind(feeds, outputs)
+        session.run()
+        finite = all(np.isfinite(v).all() for v in outputs.values())
+        report.add(finite, f"{label}: loads and runs in onnxruntime ({time.perf_counter() - started:.1f} s)"
+                   + ("" if finite else ", but returns non-finite values on zero inputs"))
+        backend.close()
+    except Exception as e:
+        report.add(False, f"{label}: onnxruntime cannot run it: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
+
+def check_bundle(bundle: str, load: bool = True) -> Report:
+    report = Report()
+    try:
+        manifest = load_manifest(bundle)
+    except BundleError as e:
+        report.add(False, str(e))
+        return report
+    report.add(True, f"manifest: {', '.join(f'{k} ({m.family}, {m.dims.num_layers} layers, {m.dims.dtype})' for k, m in manifest.models.items())}")
+    for name, model in manifest.models.items():
+        wpath = os.path.join(bundle, model.weights)
+        try:
+            index = read_index(os.path.join(bundle, weights_index_file(model.weights)))
+        except BundleError as e:
+            report.add(False, f"{name}: {e}")
+            continue
+        need = max((r.offset + r.length for r in index.values()), default=0)
+        size = os.path.getsize(wpath) if os.path.isfile(wpath) else -1
+        if not report.add(size >= need, f"{name}: {model.weights} holds {size} bytes for {len(index)} tensors"
+                          if size >= need else f"{name}: weights file {model.weights} "
+                          + ("missing" if size < 0 else f"truncated ({size} bytes, index needs {need})")):
+            continue
+        for graph in model.graphs:
+            _check_graph(bundle, name, model, graph, index, manifest.opset, report, load)
+    for f in manifest.tokenizer.files:
+        report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
+    return report
