@@ -34,7 +34,7 @@ class Tokenizer:
         return ([self.bos_id] + ids) if self.bos_id is not None and (not ids or ids[0] != self.bos_id) else ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, user_text: str, system: str | None = None) -> list[int]:
         """The chat template rendered for one user turn plus the assistant's generation prompt."""

@@ -78,16 +78,90 @@ def _run_check(a) -> int:
     return 0 if report.ok else 1
 
 
+def _add_sampling(p) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after N new tokens (default 128)")
+    p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
+                   help="where drafts come from: the bundle's draft model, prompt lookup (ngram), or none (plain "
+                   "decode). Default: draft when the bundle has one, else ngram")
+    p.add_argument("--gamma", type=int, default=4, help="drafts per round; needs a T=gamma+1 verify graph (default 4)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda or tensorrt")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a bundle with exact speculative decoding",
+                       description="Run a bundle: prefill the prompt, then draft -> verify -> commit rounds. "
+                       "Streams text to stdout and a stats summary to stderr; --json prints one JSON object "
+                       "{prompt_ids, tokens, text, stats} instead.")
+    p.add_argument("bundle")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the bundle's tokenizer and the tokenizers package)")
+    src.add_argument("--prompt-ids", type=_ints, metavar="1,2,3", help="prompt as token ids")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the bundle's chat template as a user turn")
+    _add_sampling(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def _prompt_ids(gen, a) -> list[int]:
+    from .errors import GenerationError
+
+    if a.prompt_ids is not None:
+        if a.chat:
+            raise GenerationError("--chat applies to --prompt text, not --prompt-ids")
+        return a.prompt_ids
+    if gen.tokenizer is None:
+        raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing: pip install "
+                              "'specedge[text]'); pass --prompt-ids")
+    return gen.tokenizer.apply_chat_template(a.prompt) if a.chat else gen.tokenizer.encode(a.prompt)
+
+
+def _run_generate(a) -> int:
+    import json
+
+    from .runtime.generator import Generator
+    from .runtime.stats import Stats
+    from .runtime.tokenizer import StreamDecoder
+
+    gen = Generator.load(a.bundle, backend=a.backend, threads=a.threads)
+    ids = _prompt_ids(gen, a)
+    proposer = a.proposer or ("draft" if gen.draft else "ngram")
+    stats = Stats()
+    kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, temperature=a.temperature,
+                  top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats)
+    tokens: list[int] = []
+    decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
+    for new in gen.stream(ids, **kwargs):
+        tokens += new
+        if decoder:
+            sys.stdout.write(decoder.push(new))
+            sys.stdout.flush()
+        elif not a.json:
+            sys.stdout.write(" ".join(map(str, new)) + " ")
+            sys.stdout.flush()
+    if a.json:
+        text = gen.tokenizer.decode(tokens) if gen.tokenizer else None
+        print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "stats": stats.to_json()}))
+    else:
+        print()
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specedge", description="Exact speculative decoding on static-shape "
                                      "ONNX graphs with an explicit KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_export(sub)
     _add_check(sub)
+    _add_generate(sub)
     return parser
 
 
-COMMANDS = {"export": _run_export, "check": _run_check}
+COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,9 +130,9 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
     started = time.perf_counter()
     try:
         backend = create_backend("cpu", threads=None)
-        backend.add_weights_file(os.path.join(bundle, model.weights),
-                                 read_index(os.path.join(bundle, weights_index_file(model.weights))))
-        session = backend.load(os.path.join(bundle, graph.file), prepack=False)
+        weights = os.path.join(bundle, model.weights)
+        backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
+        session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False)
         feeds = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask)}
         outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(model.dims, graph.tokens, graph.role)}
         session.bind(feeds, outputs)

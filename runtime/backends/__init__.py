@@ -4,7 +4,7 @@ Every backend has the same two-object shape:
 
   backend = create_backend("cpu", threads=2)
   backend.add_weights_file(path, index)          # one mmap per weights file, shared by all sessions
-  session = backend.load(graph_path, prepack=True)
+  session = backend.load(graph_path, path, prepack=True)   # a graph and the weights file it reads
   session.bind(inputs={name: array}, outputs={name: array})   # once: zero-copy views of runtime buffers
   session.run()                                  # per step: reads the inputs, writes the outputs in place
 
@@ -62,7 +62,8 @@ def create_backend(name: str = "cpu", threads: int | None = None):
     if name == "cpu":
         from . import ort_capi
         if ort_capi.available():
-            return ort_capi.CapiBackend(threads)
+            from .cpu import CapiBackend
+            return CapiBackend(threads)
         name = "ort"
     from .ort_python import OrtBackend
     return OrtBackend(name, threads)

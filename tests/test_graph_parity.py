@@ -1,0 +1,159 @@
+"""The step graphs compute what transformers computes, through the contract's KV I/O.
+
+A prompt is prefilled in chunks (the last one padded), then a T=5 step and T=1 steps follow, each feeding
+the K/V the graphs returned back in as the past. Logits must match transformers' eager logits at every
+position (max abs 1e-4, float32), and each step's new K/V must be transformers' cache entries.
+"""
+import numpy as np
+import pytest
+import torch
+from conftest import CHUNK
+from models import FAMILIES, ContractDriver, make_hf_model
+
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.graphs import contract as C
+
+LOGIT_TOL = 1e-4
+KV_TOL = 1e-4
+
+
+def reference(model, ids):
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    keys = np.stack([cache.layers[i].keys[0].numpy() for i in range(len(cache.layers))])
+    values = np.stack([cache.layers[i].values[0].numpy() for i in range(len(cache.layers))])
+    return out.logits[0].numpy(), keys, values  # [N, V], [L, Hkv, N, D] x 2
+
+
+def drive(bundle, ids, prompt_len, poison=None):
+    """Chunked prefill (padded last chunk), one T=5 step, then T=1 steps; collect logits and K/V."""
+    d = ContractDriver(bundle, poison=poison)
+    logits, keys, values = [], [], []
+
+    def take(out):
+        lg, k, v = out
+        logits.append(lg)
+        keys.append(k)
+        values.append(v)
+
+    for start in range(0, prompt_len, CHUNK):
+        take(d.step(ids[start:min(start + CHUNK, prompt_len)], C.STEP, CHUNK))
+    take(d.step(ids[prompt_len:prompt_len + 5], C.STEP, 5))
+    for t in ids[prompt_len + 5:]:
+        take(d.step([t], C.STEP, 1))
+    return np.concatenate(logits), np.concatenate(keys, axis=2), np.concatenate(values, axis=2)
+
+
+def export_for_parity(hf_dir, out):
+    export_bundle(hf_dir, out, ExportOptions(context=128, prefill_chunk=CHUNK, gammas=(4,), prefill_logits=True),
+                  progress=False)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_kv_match_transformers(family, tiny_models, tmp_path):
+    hf_dir, model = tiny_models[family]
+    bundle = export_for_parity(hf_dir, str(tmp_path / "b"))
+    rng = np.random.default_rng(1)
+    prompt_len = 2 * CHUNK + 5  # the third chunk is padded
+    ids = rng.integers(0, 1000, prompt_len + 5 + 6).tolist()
+    ref_logits, ref_k, ref_v = reference(model, ids)
+    logits, keys, values = drive(bundle, ids, prompt_len)
+    assert logits.shape == ref_logits.shape
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+    assert np.abs(keys - ref_k).max() < KV_TOL
+    assert np.abs(values - ref_v).max() < KV_TOL
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "dynamic", "factor": 2.0},
+])
+def test_rope_scaling_matches_transformers(scaling, tmp_path):
+    hf_dir = str(tmp_path / "m")
+    model = make_hf_model(hf_dir, "llama", layers=2, rope_scaling=scaling)
+    bundle = export_for_parity(hf_dir, str(tmp_path / "b"))
+    ids = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    ref_logits, ref_k, _ = reference(model, ids)
+    logits, keys, _ = drive(bundle, ids, 3 * CHUNK)
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+    assert np.abs(keys - ref_k).max() < KV_TOL
+
+
+def test_default_prefill_graph_fills_the_same_cache(tiny_models, tiny_bundle):
+    """The default prefill graph has no logits; its K/V still equal transformers' cache."""
+    _, model = tiny_models["llama"]
+    ids = np.random.default_rng(3).integers(0, 1000, 2 * CHUNK).tolist()
+    _, ref_k, ref_v = reference(model, ids)
+    d = ContractDriver(tiny_bundle)
+    assert C.LOGITS not in [o.name for o in d.sessions[(C.PREFILL, CHUNK)].get_outputs()]
+    for start in range(0, len(ids), CHUNK):
+        logits, _, _ = d.step(ids[start:start + CHUNK], C.PREFILL, CHUNK)
+        assert logits is None
+    assert np.abs(d.keys[:, 0, :, :len(ids)] - ref_k).max() < KV_TOL
+    assert np.abs(d.values[:, 0, :, :len(ids)] - ref_v).max() < KV_TOL
+
+
+def test_stale_slots_are_harmless(tiny_models, tmp_path):
+    """Garbage (uniform +-1e4) in every slot >= cache_len changes no logit beyond float rounding."""
+    bundle = export_for_parity(tiny_models["qwen3"][0], str(tmp_path / "b"))
+    ids = np.random.default_rng(4).integers(0, 1000, 2 * CHUNK + 3 + 5 + 4).tolist()
+    clean, _, _ = drive(bundle, ids, 2 * CHUNK + 3)
+    poisoned, _, _ = drive(bundle, ids, 2 * CHUNK + 3, poison=1e4)
+    assert np.isfinite(poisoned).all()
+    assert np.abs(clean - poisoned).max() <= 1e-6
+
+
+def test_step_mask_causal_equals_no_mask(tiny_models, tmp_path):
+    """The optional step_mask input with a causal mask gives the causal graph's logits; a tree mask hides
+    the branch a token does not descend from."""
+    import onnxruntime as ort
+
+    from specedge.graphs.manifest import load_manifest
+
+    out = str(tmp_path / "b")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,),
+                                                              step_mask=True), progress=False)
+    entry = load_manifest(out).target
+    graph = entry.graph(C.STEP, 5)
+    assert graph.step_mask
+    sess = ort.InferenceSession(f"{out}/{graph.file}", providers=["CPUExecutionProvider"])
+    dims = entry.dims
+    ids = np.array([[5, 6, 7, 8, 9]])
+    feeds = {C.INPUT_IDS: ids, C.CACHE_LEN: np.array([0])}
+    for i in range(dims.num_layers):
+        feeds[C.past_key(i)] = np.zeros(dims.cache_shape, np.float32)
+        feeds[C.past_value(i)] = np.zeros(dims.cache_shape, np.float32)
+    causal = np.tril(np.ones((5, 5), bool))[None]
+    chain = sess.run([C.LOGITS], {**feeds, C.POSITION_IDS: np.arange(5)[None], C.STEP_MASK: causal})[0]
+    # Tree: root 5 at depth 0; children 6 and 7 at depth 1 (siblings); 8 under 6 and 9 under 7 at depth 2.
+    tree = np.zeros((1, 5, 5), bool)
+    for i, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4]]):
+        tree[0, i, ancestors] = True
+    branched = sess.run([C.LOGITS], {**feeds, C.POSITION_IDS: np.array([[0, 1, 1, 2, 2]]), C.STEP_MASK: tree})[0]
+    # Token 8's path is 5, 6, 8 and token 9's path is 5, 7, 9: compare with those sequences run causally.
+    for path, row in (([5, 6, 8], 3), ([5, 7, 9], 4)):
+        feeds3 = {**feeds, C.INPUT_IDS: np.array([path + [0, 0]]), C.POSITION_IDS: np.arange(5)[None],
+                  C.STEP_MASK: causal}
+        straight = sess.run([C.LOGITS], feeds3)[0]
+        assert np.abs(branched[0, row] - straight[0, 2]).max() < LOGIT_TOL
+    assert np.abs(chain[0, :2] - branched[0, :2]).max() < LOGIT_TOL
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_path, smollm2_hf, tmp_path):
+    out = str(tmp_path / "smol")
+    export_bundle(smollm2_path, out, ExportOptions(context=256, prefill_chunk=CHUNK, gammas=(4,),
+                                                   prefill_logits=True), progress=False)
+    rng = np.random.default_rng(5)
+    prompt_len = 5 * CHUNK + 7
+    ids = rng.integers(0, 49152, prompt_len + 5 + 6).tolist()
+    ref_logits, ref_k, ref_v = reference(smollm2_hf, ids)
+    logits, keys, values = drive(out, ids, prompt_len)
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+    # K/V of a real model reach tens; compare relative to their scale.
+    assert np.abs(keys - ref_k).max() < KV_TOL * max(1.0, np.abs(ref_k).max())
+    assert np.abs(values - ref_v).max() < KV_TOL * max(1.0, np.abs(ref_v).max())
