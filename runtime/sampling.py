@@ -1,0 +1,139 @@
+"""Logits -> token distributions and tokens, for the target and the draft alike.
+
+Speculative sampling is exact only if p (target) and q (draft) are the very distributions the tokens are
+sampled from, so both sides go through the same `probs_from_logits` with the same `SamplingParams`.
+Everything here is float64 numpy: the acceptance rule compares p and q entry by entry, and float32
+softmax noise would show up there as a (tiny) bias.
+
+Shapes: N rows (positions), V vocabulary entries.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy (argmax); top_k 0 and top_p 1 = off. Validated on construction."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
+        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a finite number in (0, 1] (1 = off), got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))  # max-subtraction: exp never overflows, the max entry is 1
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits float [N, V] (or [V]) -> probs float64, same shape, each row summing to 1.
+
+    Order as in HF transformers' generate: temperature, top-k, then top-p on the top-k distribution.
+    -inf logits are allowed (masked tokens, probability 0); NaN, +inf and all -inf rows are errors.
+
+    Ties are kept whole, so the kept set depends only on the values, never on token ids or sort order:
+      top-k keeps every token whose logit >= the k-th largest (more than k survive on a tie at the k-th
+        value; this is also HF's TopKLogitsWarper rule); top_k >= V keeps everything.
+      top-p keeps every token whose probability >= that of the last token of the smallest top set with
+        mass >= top_p (ties with that last token are kept too), so the top token always survives.
+    """
+    if params.greedy:
+        raise ValueError("probs_from_logits needs temperature > 0; use greedy_token(s) for temperature 0")
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"logits must be [N, V] or [V] with V > 0, got shape {x.shape}")
+    if np.isnan(x).any() or (x == np.inf).any() or not np.isfinite(x).any(axis=-1).all():
+        raise ValueError("logits must be finite or -inf, with at least one finite entry per row")
+    v = x.shape[-1]
+
+    # Shift before dividing: the same softmax, but now x <= 0, so a tiny temperature can only overflow to
+    # -inf (probability 0, as the math says) instead of making inf - inf = NaN.
+    with np.errstate(over="ignore"):
+        x = (x - x.max(axis=-1, keepdims=True)) / params.temperature
+    if 0 < params.top_k < v:
+        kth = np.partition(x, v - params.top_k, axis=-1)[..., v - params.top_k, None]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = _softmax(x)
+    if params.top_p < 1:
+        desc = -np.sort(-probs, axis=-1)
+        # Tokens before the one where the running mass first reaches top_p; min() covers a total that
+        # rounds below top_p (then everything is kept).
+        cut = np.minimum((np.cumsum(desc, axis=-1) < params.top_p).sum(axis=-1), v - 1)
+        smallest_kept = np.take_along_axis(desc, cut[..., None], axis=-1)
+        probs = _softmax(np.where(probs >= smallest_kept, x, -np.inf))
+    return probs
+
+
+def greedy_token(logits_row: np.ndarray) -> int:
+    """argmax of one row float [V]; ties go to the lowest id (np.argmax returns the first maximum)."""
+    row = np.asarray(logits_row)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"logits_row must be 1-D and non-empty, got shape {row.shape}")
+    return int(np.argmax(row))
+
+
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """logits float [N, V] -> int64 [N], row-wise argmax, lowest id on ties (as greedy_token)."""
+    x = np.asarray(logits)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"logits must be [N, V] with V > 0, got shape {x.shape}")
+    return np.argmax(x, axis=-1).astype(np.int64)
+
+
+def _sample_cdf(cdf: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from cdf float [V], the cumsum of non-negative weights with a positive total.
+
+    Unnormalized weights are fine (u is scaled by the total), so callers pass residuals as they are.
+    """
+    total = cdf[-1]
+    # side="right" finds the first i with cdf[i] > u. A zero-weight token has cdf[i] == cdf[i-1] exactly
+    # (adding 0.0 is exact), so cdf[i] > u would imply cdf[i-1] > u and i-1 is found first: never returned.
+    i = int(cdf.searchsorted(rng.random() * total, "right"))  # positional: the keyword costs ~0.3 us
+    if i == len(cdf):
+        # u * total rounded up to total (possible only for a subnormal total, or an rng that returns 1.0):
+        # return the last positive token, where the cdf first reaches total.
+        i = int(cdf.searchsorted(total, "left"))
+    return i
+
+
+def sample_token(probs_row: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from probs float [V] (non-negative, positive sum; normalization not required)
+    with a single rng.random(). A zero-probability token is never returned."""
+    w = np.asarray(probs_row, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0:
+        raise ValueError(f"probs_row must be 1-D and non-empty, got shape {w.shape}")
+    if not (w >= 0).all():  # also catches NaN
+        raise ValueError("probs_row must be non-negative and not NaN")
+    cdf = np.add.accumulate(w)
+    if not 0 < cdf[-1] < math.inf:
+        raise ValueError(f"probs_row must have a positive finite sum, got {cdf[-1]}")
+    return _sample_cdf(cdf, rng)
