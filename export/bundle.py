@@ -33,6 +33,7 @@ class ExportOptions:
     prefill_chunk: int = 64
     batch: int = 1
     dtype: str = "float32"
+    context_buckets: tuple[int, ...] | None = None  # past lengths to export graphs for; None: default_buckets
     draft_layers: int | None = None  # cut a draft from the target's first N layers
     prefill_logits: bool = False  # give prefill graphs logits too (parity checks; slows prefill)
     step_mask: bool = False  # add the optional step_mask input to the step graphs (tree verification)
@@ -53,6 +54,16 @@ class ExportOptions:
             raise ExportError(f"--gamma {max(self.gammas)} needs a context larger than {max(self.gammas) + 1}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ExportError(f"--draft-layers must be at least 1, not {self.draft_layers}")
+        for b in self.context_buckets or ():
+            if not self.prefill_chunk <= b <= self.context:
+                raise ExportError(f"every --context-buckets value must lie between --prefill-chunk "
+                                  f"({self.prefill_chunk}) and --context ({self.context}), got {b}")
+
+    def buckets(self) -> list[int]:
+        """Past lengths with graphs: the runtime attends over the smallest one that holds the cache."""
+        if self.context_buckets:
+            return sorted({*self.context_buckets, self.context})
+        return default_buckets(self.context, self.prefill_chunk)
 
     def target_steps(self) -> list[int]:
         return sorted({1, *(g + 1 for g in self.gammas)})
@@ -60,6 +71,17 @@ class ExportOptions:
     @staticmethod
     def draft_steps() -> list[int]:
         return [1, 2]  # T=2: after a fully accepted round the draft catches up on two tokens
+
+
+def default_buckets(context: int, prefill_chunk: int) -> list[int]:
+    """Powers of two from 256 (or the prefill chunk, if larger) up to the context: attention over a short
+    cache then reads a short past, at the price of more (small) graph files."""
+    buckets, b = [], 256
+    while b < context:
+        if b >= prefill_chunk:
+            buckets.append(b)
+        b *= 2
+    return buckets + [context]
 
 
 class _Progress:
@@ -102,10 +124,10 @@ def check_vocab(target: Source, draft: Source) -> dict:
 
 
 def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
-                 refs: dict[str, WeightRef], weights: str, step_mask: bool) -> GraphEntry:
-    g = GraphBuilder(f"{model}_{role}{tokens}", refs, weights)
-    llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP)
-    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens),
+                 context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool) -> GraphEntry:
+    g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights)
+    llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context)
+    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context), context=context,
                        step_mask=step_mask and role == C.STEP)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
     return entry
@@ -125,13 +147,13 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     else:
         weights, refs = shared
     prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
-    graphs = [_write_graph(bundle, name, cfg, dims, prefill_role, opts.prefill_chunk, refs, weights, False)]
-    progress.update(graphs[-1].file)
-    for t in steps:
-        if prefill_role == C.STEP and t == opts.prefill_chunk:
-            continue
-        graphs.append(_write_graph(bundle, name, cfg, dims, C.STEP, t, refs, weights, opts.step_mask))
-        progress.update(graphs[-1].file)
+    plan = [(prefill_role, opts.prefill_chunk, False)]
+    plan += [(C.STEP, t, opts.step_mask) for t in steps if not (prefill_role == C.STEP and t == opts.prefill_chunk)]
+    graphs = []
+    for context in opts.buckets():
+        for role, tokens, mask in plan:
+            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask))
+            progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
                       layers_of="target" if shared is not None else None)
@@ -172,7 +194,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should look like any directory
     n_weights = len(llama.weight_names(target.config)) + (len(llama.weight_names(draft.config)) if draft else 0)
-    n_graphs = 1 + len(opts.target_steps()) + ((1 + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
+    n_graphs = len(opts.buckets()) * (1 + len(opts.target_steps())
+                                      + ((1 + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0))
     bar = _Progress(n_weights + n_graphs, progress)
     started = time.time()
     try:
@@ -197,7 +220,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                                      chat_template=tokenizer.chat_template),
             vocab=vocab,
             export={"specedge": __version__, "context": opts.context, "gammas": list(opts.gammas),
-                    "prefill_chunk": opts.prefill_chunk, "batch": opts.batch, "dtype": opts.dtype,
+                    "prefill_chunk": opts.prefill_chunk, "context_buckets": opts.buckets(), "batch": opts.batch,
+                    "dtype": opts.dtype,
                     "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
                     "step_mask": opts.step_mask, "target": os.path.basename(os.path.normpath(target_path)),
                     "draft": os.path.basename(os.path.normpath(draft_path)) if draft_path else None,

@@ -40,9 +40,8 @@ class GraphBuilder:
         self.inputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPE[spec.dtype], list(spec.shape)))
         return spec.name
 
-    def output(self, value: str, spec: TensorSpec) -> None:
-        """Expose `value` under the contract name; an Identity keeps internal names free."""
-        self.nodes.append(helper.make_node("Identity", [value], [spec.name]))
+    def declare_output(self, spec: TensorSpec) -> None:
+        """Make a value already produced under the contract name (op(..., name=...)) a graph output."""
         self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPE[spec.dtype], list(spec.shape)))
 
     def weight(self, name: str) -> str:
@@ -72,10 +71,12 @@ class GraphBuilder:
         return self.const(np.array(values, dtype=np.int64))
 
     # -- ops -----------------------------------------------------------------------------------------
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
-        """Add one node; returns its output name, or a list of names when outputs > 1."""
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attrs):
+        """Add one node; returns its output name (`name` if given), or a list of names when outputs > 1."""
         self._count += 1
         names = [f"{op_type.lower()}_{self._count}" + (f"_{k}" if outputs > 1 else "") for k in range(outputs)]
+        if name is not None:
+            names = [name]
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"n{self._count}_{op_type}", **attrs))
         return names[0] if outputs == 1 else names
 

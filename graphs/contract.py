@@ -97,16 +97,18 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def step_inputs(dims: ModelDims, tokens: int, step_mask: bool = False) -> list[TensorSpec]:
+def step_inputs(dims: ModelDims, tokens: int, step_mask: bool = False, context: int | None = None) -> list[TensorSpec]:
+    """Inputs of a step graph; `context` is the graph's past length S (a bucket <= dims.context)."""
     b = dims.batch
+    past = dims.cache_shape if context is None else (b, dims.num_kv_heads, context, dims.head_dim)
     specs = [
         TensorSpec(INPUT_IDS, "int64", (b, tokens)),
         TensorSpec(POSITION_IDS, "int64", (b, tokens)),
         TensorSpec(CACHE_LEN, "int64", (b,)),
     ]
     for i in range(dims.num_layers):
-        specs.append(TensorSpec(past_key(i), dims.dtype, dims.cache_shape))
-        specs.append(TensorSpec(past_value(i), dims.dtype, dims.cache_shape))
+        specs.append(TensorSpec(past_key(i), dims.dtype, past))
+        specs.append(TensorSpec(past_value(i), dims.dtype, past))
     if step_mask:
         specs.append(TensorSpec(STEP_MASK, "bool", (b, tokens, tokens)))
     return specs

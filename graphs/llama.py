@@ -7,7 +7,9 @@ tied or untied LM head.
 
 Shape of the work, chosen for runtimes that want static shapes and plain ops (see shared/design.md §7):
 * q, k, v come from one fused MatMul and gate/up from another: fewer, larger weight reads.
-* GQA reshapes the queries to [B, H_kv, rep*T, D] instead of repeating K/V per query head.
+* GQA reshapes the queries to [B, H_kv, T*rep, D] instead of repeating K/V per query head.
+* Every node counts on a CPU (a few microseconds each, ~30 layers): T=1 graphs use Reshape where a
+  Transpose would only move a size-1 axis, and outputs are produced under their contract names directly.
 * The past is never concatenated with the step (that would copy S slots per layer): scores over the past
   and over the step are computed separately, joined (they are small), softmaxed, split and applied to
   past V and step V separately.
@@ -191,20 +193,39 @@ def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> s
 
 
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
-                     step_mask: bool = False) -> None:
-    """Fill `g` with the step graph for T = `tokens` (role: contract.PREFILL or contract.STEP)."""
-    B, T, S = dims.batch, tokens, dims.context
+                     step_mask: bool = False, context: int | None = None) -> None:
+    """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
+    role: contract.PREFILL or contract.STEP)."""
+    B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
     dt = dims.dtype
     neg = float(np.finfo(np.dtype(dt)).min)  # additive mask value: finite, so garbage + neg stays hugely negative
 
-    specs = {s.name: s for s in C.step_inputs(dims, T, step_mask)}
+    specs = {s.name: s for s in C.step_inputs(dims, T, step_mask, S)}
     input_ids, position_ids, cache_len = (g.input(specs[n]) for n in (C.INPUT_IDS, C.POSITION_IDS, C.CACHE_LEN))
     pasts = [(g.input(specs[C.past_key(i)]), g.input(specs[C.past_value(i)])) for i in range(dims.num_layers)]
     out_specs = {s.name: s for s in C.step_outputs(dims, T, role)}
 
-    # One mask per step, [B, 1, rep*T, S+T], shared by every layer. Past slot s is visible iff
+    # Attention rows: query head h = kv*rep + r of step token t reads kv head kv (transformers' repeat_kv
+    # order) and sits at row t*rep + r of a [B, H_kv, T*rep, D] block, so each kv head is one plain MatMul.
+    # For T = 1 every layout change below is a Reshape, never a Transpose.
+    def to_rows(q):  # [B, T, H, D] -> [B, Hkv, T*rep, D]
+        if T > 1:
+            q = g.op("Transpose", g.op("Reshape", q, g.ints(B, T, Hkv, rep, D)), perm=[0, 2, 1, 3, 4])
+        return g.op("Reshape", q, g.ints(B, Hkv, T * rep, D))
+
+    def from_rows(x):  # [B, Hkv, T*rep, D] -> [B, T, H*D]
+        if T > 1:
+            x = g.op("Transpose", g.op("Reshape", x, g.ints(B, Hkv, T, rep, D)), perm=[0, 2, 1, 3, 4])
+        return g.op("Reshape", x, g.ints(B, T, H * D))
+
+    def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
+        if T > 1:
+            return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
+        return g.op("Reshape", x, g.ints(B, Hkv, T, D), name=name)
+
+    # One additive mask per step, [B, 1, T*rep, S+T], shared by every layer. Past slot s is visible iff
     # s < cache_len; step token j is visible to step token i iff j <= i (or step_mask[i, j]); the diagonal
     # is always visible, so no softmax row is ever fully masked.
     zero, minus = g.const(0.0, dt), g.const(neg, dt)
@@ -212,19 +233,26 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     past_ok = g.op("Less", slots, g.op("Unsqueeze", cache_len, g.ints(1)))  # [B, S]
     past_mask = g.op("Where", past_ok, zero, minus)
     past_mask = g.op("Expand", g.op("Unsqueeze", past_mask, g.ints(1)), g.ints(B, T, S))  # [B, T, S]
-    causal = np.tril(np.ones((T, T), dtype=bool))
     if step_mask:
         seen = g.op("Or", g.input(specs[C.STEP_MASK]), g.const(np.eye(T, dtype=bool)))
         step_part = g.op("Where", seen, zero, minus)  # [B, T, T]
     else:
-        step_part = g.const(np.broadcast_to(np.where(causal, 0.0, neg), (B, T, T)).astype(dt))
+        causal = np.where(np.tril(np.ones((T, T), dtype=bool)), 0.0, neg)
+        step_part = g.const(np.broadcast_to(causal, (B, T, T)).astype(dt))
     mask = g.op("Concat", past_mask, step_part, axis=-1)  # [B, T, S+T]
-    mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(1, 2)), g.ints(B, 1, rep, T, S + T))
-    mask = g.op("Reshape", mask, g.ints(B, 1, rep * T, S + T))
+    if rep > 1:
+        mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + T))
+    mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + T))
 
-    # RoPE tables at the step's positions: [B, T, 1, D], broadcast over heads.
+    # RoPE tables at the step's positions: [B, T, 1, D], broadcast over heads. rotate_half is a constant
+    # [D, D] permutation MatMul (exact: one nonzero term per output), the sign lives in the sin table.
     cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))
     sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin"), position_ids, axis=0), g.ints(2))
+    half = D // 2
+    swap = np.zeros((D, D), dtype=dt)
+    swap[np.arange(half) + half, np.arange(half)] = 1  # output i < D/2 takes x[i + D/2]
+    swap[np.arange(half), np.arange(half) + half] = 1  # output i >= D/2 takes x[i - D/2]
+    swap = g.const(swap)
 
     x = g.op("Gather", g.weight("embed"), input_ids, axis=0)  # [B, T, E]
     for i, (past_k, past_v) in enumerate(pasts):
@@ -234,31 +262,24 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
         qkv = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D))
-        qk = g.op("Slice", qkv, g.ints(0), g.ints(H + Hkv), g.ints(2))  # q and k heads get RoPE together
-        v = g.op("Slice", qkv, g.ints(H + Hkv), g.ints(H + 2 * Hkv), g.ints(2))
+        qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=2, outputs=2)  # q and k get RoPE together
         if cfg.qk_norm:
             qk = _rms_norm(g, qk, g.weight(p + "qk_norm"), cfg.rms_norm_eps, dt)
-        x1, x2 = g.op("Split", qk, axis=-1, outputs=2)
-        qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("Concat", x2, x1, axis=-1), sin))
-        q = g.op("Slice", qk, g.ints(0), g.ints(H), g.ints(2))  # [B, T, H, D]
-        k = g.op("Slice", qk, g.ints(H), g.ints(H + Hkv), g.ints(2))  # [B, T, Hkv, D]
-        new_k = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
-        new_v = g.op("Transpose", v, perm=[0, 2, 1, 3])
-        g.output(new_k, out_specs[C.new_key(i)])
-        g.output(new_v, out_specs[C.new_value(i)])
+        qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("MatMul", qk, swap), sin))
+        q, k = g.op("Split", qk, g.ints(H, Hkv), axis=2, outputs=2)
+        new_k = per_head(k, C.new_key(i))  # [B, Hkv, T, D]
+        new_v = per_head(v, C.new_value(i))
+        g.declare_output(out_specs[C.new_key(i)])
+        g.declare_output(out_specs[C.new_value(i)])
 
-        # Query head h = kv*rep + r reads kv head kv (transformers' repeat_kv order).
-        q = g.op("Reshape", q, g.ints(B, T, Hkv, rep, D))
-        q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), g.ints(B, Hkv, rep * T, D))
-        scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, rep*T, S]
-        scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, rep*T, T]
+        q = to_rows(q)
+        scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
+        scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, T]
         scores = g.op("Add", g.op("Concat", scores_past, scores_step, axis=-1), mask)
         probs = g.op("Softmax", scores, axis=-1)
         probs_past, probs_step = g.op("Split", probs, g.ints(S, T), axis=-1, outputs=2)
         attn = g.op("Add", g.op("MatMul", probs_past, past_v), g.op("MatMul", probs_step, new_v))
-        attn = g.op("Reshape", attn, g.ints(B, Hkv, rep, T, D))
-        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.ints(B, T, H * D))
-        x = g.op("Add", x, g.op("MatMul", attn, g.weight(p + "o")))
+        x = g.op("Add", x, g.op("MatMul", from_rows(attn), g.weight(p + "o")))
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt)
         gate, up = g.op("Split", g.op("MatMul", h, g.weight(p + "gate_up")), axis=-1, outputs=2)
@@ -269,7 +290,8 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt)
         head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
         logits = g.op("Gemm", g.op("Reshape", h, g.ints(B * T, E)), head, transB=1)  # [B*T, V]
-        logits = g.op("Reshape", logits, g.ints(B, T, dims.vocab_size))
-        if dt != "float32":
-            logits = g.op("Cast", logits, to=1)  # the contract's logits are float32
-        g.output(logits, out_specs[C.LOGITS])
+        if dt == "float32":
+            g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=C.LOGITS)
+        else:  # the contract's logits are float32
+            g.op("Cast", g.op("Reshape", logits, g.ints(B, T, dims.vocab_size)), to=1, name=C.LOGITS)
+        g.declare_output(out_specs[C.LOGITS])

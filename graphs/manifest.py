@@ -6,8 +6,8 @@ A bundle is a flat directory:
   manifest.json                 this file's schema (FORMAT, VERSION)
   target.weights.bin            raw tensors of the target, shared by all its graphs (external data)
   target.weights.json           {name: {dtype, shape, offset, length}} for target.weights.bin
-  target.prefill32.onnx         one static graph per role and token count T
-  target.step1.onnx, target.step5.onnx, ...
+  target.prefill64.s256.onnx    one static graph per role, token count T and past length (context bucket)
+  target.step1.s256.onnx, target.step5.s1024.onnx, ...
   draft.*                       the same for the draft (a layer draft reuses target.weights.bin)
   tokenizer/tokenizer.json ...  tokenizer files, when the source had them
 """
@@ -26,8 +26,8 @@ MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
 
 
-def graph_file(model: str, role: str, tokens: int) -> str:
-    return f"{model}.{role}{tokens}.onnx"
+def graph_file(model: str, role: str, tokens: int, context: int) -> str:
+    return f"{model}.{role}{tokens}.s{context}.onnx"
 
 
 def weights_file(model: str) -> str:
@@ -73,6 +73,7 @@ class GraphEntry:
     tokens: int  # T
     role: str  # contract.PREFILL | contract.STEP
     file: str
+    context: int  # the past length this graph reads: a context bucket <= the model's context
     step_mask: bool = False
 
 
@@ -85,11 +86,16 @@ class ModelEntry:
     source: str = ""
     layers_of: str | None = None  # "target" for a draft cut from the target's first layers
 
-    def graph(self, role: str, tokens: int) -> GraphEntry | None:
-        return next((g for g in self.graphs if g.role == role and g.tokens == tokens), None)
+    def graph(self, role: str, tokens: int, context: int | None = None) -> GraphEntry | None:
+        """The graph of a role and T at a context bucket (the full context when None)."""
+        context = context or self.dims.context
+        return next((g for g in self.graphs if (g.role, g.tokens, g.context) == (role, tokens, context)), None)
 
     def step_tokens(self) -> list[int]:
-        return sorted(g.tokens for g in self.graphs if g.role == C.STEP)
+        return sorted({g.tokens for g in self.graphs if g.role == C.STEP})
+
+    def buckets(self) -> list[int]:
+        return sorted({g.context for g in self.graphs})
 
     def prefill_tokens(self) -> int | None:
         return max((g.tokens for g in self.graphs if g.role == C.PREFILL), default=None)
@@ -141,7 +147,8 @@ class Manifest:
 def _model_from_json(name: str, d: dict) -> ModelEntry:
     try:
         dims = C.ModelDims.from_json(d)
-        graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], bool(g.get("step_mask", False))) for g in d["graphs"]]
+        graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], int(g.get("context", d["context"])),
+                             bool(g.get("step_mask", False))) for g in d["graphs"]]
         entry = ModelEntry(dims=dims, family=d["family"], weights=d["weights"], graphs=graphs,
                            source=d.get("source", ""), layers_of=d.get("layers_of"))
     except (KeyError, TypeError, ValueError) as e:
@@ -149,10 +156,11 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
     if dims.dtype not in C.DTYPES:
         raise BundleError(f"manifest: model '{name}' has dtype {dims.dtype}, expected one of {C.DTYPES}")
     for g in graphs:
-        if g.role not in C.ROLES or g.tokens < 1:
-            raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r} and tokens {g.tokens}")
-    if not any(g.role == C.STEP and g.tokens == 1 for g in graphs):
-        raise BundleError(f"manifest: model '{name}' has no T=1 step graph")
+        if g.role not in C.ROLES or g.tokens < 1 or not 0 < g.context <= dims.context:
+            raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r}, tokens {g.tokens}, "
+                              f"context {g.context} (model context {dims.context})")
+    if not any(g.role == C.STEP and g.tokens == 1 and g.context == dims.context for g in graphs):
+        raise BundleError(f"manifest: model '{name}' has no T=1 step graph over its full context")
     return entry
 
 

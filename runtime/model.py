@@ -23,6 +23,7 @@ class _Step:
 
     def __init__(self, session, dims: C.ModelDims, graph: GraphEntry, cache: KVCache):
         B, T = dims.batch, graph.tokens
+        keys, values = cache.buffers(graph.context)
         self.tokens, self.role = T, graph.role
         self.input_ids = np.zeros((B, T), np.int64)
         self.position_ids = np.zeros((B, T), np.int64)
@@ -34,7 +35,7 @@ class _Step:
         if self.logits is not None:
             outputs[C.LOGITS] = self.logits
         for i in range(dims.num_layers):
-            inputs[C.past_key(i)], inputs[C.past_value(i)] = cache.keys[i], cache.values[i]
+            inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i], values[i]
             outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_keys[i], self.new_values[i]
         session.bind(inputs, outputs)
         self.session = session
@@ -45,18 +46,18 @@ class ModelRunner:
         self.name = name
         self.entry = entry
         self.dims = entry.dims
-        self.cache = KVCache(entry.dims)
+        self.cache = KVCache(entry.dims, entry.buckets())
         self._dir = bundle_dir
         self._backend = backend
-        self._steps: dict[tuple[str, int], _Step] = {}
+        self._steps: dict[tuple[str, int, int], _Step] = {}
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
 
     # -- sessions ------------------------------------------------------------------------------------
-    def _step(self, role: str, tokens: int) -> _Step:
-        key = (role, tokens)
+    def _step(self, role: str, tokens: int, context: int) -> _Step:
+        key = (role, tokens, context)
         if key not in self._steps:
-            graph = self.entry.graph(role, tokens)
+            graph = self.entry.graph(role, tokens, context)
             path = os.path.join(self._dir, graph.file)
             if not os.path.isfile(path):
                 raise BundleError(f"graph file missing: {path}")
@@ -69,9 +70,11 @@ class ModelRunner:
         return self._steps[key]
 
     def warm(self, roles_tokens: list[tuple[str, int]]) -> None:
-        """Create (and validate) the sessions a run will need, before it starts producing output."""
+        """Create (and validate) the sessions a run will need, in every bucket, before it produces output."""
         for role, tokens in roles_tokens:
-            self._step(role, tokens)
+            for context in self.entry.buckets():
+                if self.entry.graph(role, tokens, context):
+                    self._step(role, tokens, context)
 
     # -- graph choice --------------------------------------------------------------------------------
     def step_graph_for(self, n: int) -> int | None:
@@ -95,9 +98,15 @@ class ModelRunner:
         return C.STEP, t
 
     # -- running -------------------------------------------------------------------------------------
+    def _bucket_for(self, role: str, T: int, n: int) -> int:
+        """The smallest past length, at or above the active one, that holds the cache plus n and has the graph."""
+        need = max(self.cache.bucket, self.cache.used + n)
+        return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b))
+
     def _execute(self, role: str, T: int, tokens) -> _Step:
         n = len(tokens)
-        step = self._step(role, T)
+        self.cache.use_bucket(self._bucket_for(role, T, n))
+        step = self._step(role, T, self.cache.bucket)
         start = self.cache.used
         step.input_ids[0, :n] = tokens
         step.input_ids[0, n:] = 0
@@ -127,7 +136,7 @@ class ModelRunner:
             done += n
 
     def reset(self) -> None:
-        self.cache.set_length(0)
+        self.cache.reset()
 
     def close(self) -> None:
         for step in self._steps.values():
@@ -137,7 +146,7 @@ class ModelRunner:
 
 def _check_io(graph: GraphEntry, dims: C.ModelDims, session) -> None:
     """A graph whose I/O disagrees with the manifest's dims would corrupt the cache silently: refuse it."""
-    want_in = {(s.name, s.dtype, s.shape) for s in C.step_inputs(dims, graph.tokens, graph.step_mask)}
+    want_in = {(s.name, s.dtype, s.shape) for s in C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context)}
     want_out = {(s.name, s.dtype, s.shape) for s in C.step_outputs(dims, graph.tokens, graph.role)}
     got_in = {(n, d, tuple(s)) for n, d, s in session.inputs}
     got_out = {(n, d, tuple(s)) for n, d, s in session.outputs}

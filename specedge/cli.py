@@ -38,6 +38,9 @@ def _add_export(sub) -> None:
     p.add_argument("--gamma", type=_ints, default=[1, 2, 4, 8], metavar="G1,G2",
                    help="draft lengths to export verify graphs (T=gamma+1) for (default 1,2,4,8)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill graph run (default 64)")
+    p.add_argument("--context-buckets", type=_ints, default=None, metavar="S1,S2",
+                   help="past lengths to export graphs for, besides --context; the runtime attends over the "
+                   "smallest that holds the cache (default: powers of two from 256 below --context)")
     p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="weights, cache and activations (logits are always float32)")
@@ -51,7 +54,8 @@ def _add_export(sub) -> None:
 def _run_export(a) -> int:
     from .export.bundle import ExportOptions, export_bundle
 
-    opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk, batch=a.batch,
+    opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk,
+                         context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype=a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
                          step_mask=a.step_mask)
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)

@@ -84,7 +84,7 @@ class ContractDriver:
         so.log_severity_level = 3
         self.sessions = {(g.role, g.tokens): ort.InferenceSession(os.path.join(bundle, g.file), so,
                                                                   providers=["CPUExecutionProvider"])
-                         for g in self.entry.graphs}
+                         for g in self.entry.graphs if g.context == self.dims.context}
         rng = np.random.default_rng(seed)
         shape = (self.dims.num_layers,) + self.dims.cache_shape
         fill = (lambda: rng.uniform(-poison, poison, shape)) if poison else (lambda: np.zeros(shape))

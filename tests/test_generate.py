@@ -144,3 +144,23 @@ def test_text_comes_from_the_tokenizer(gen):
     out = gen.generate(gen.tokenizer.encode("t5 t6 t7"), 5, proposer="none", stop_ids=[])
     assert out.text == " ".join(f"t{i}" for i in out.tokens)
     assert gen.tokenizer.apply_chat_template("t9") == [2, 9, 3, 4]
+
+
+def test_context_buckets_change_nothing(gen, tiny_models, tmp_path):
+    """With graphs for past lengths 32, 64 and 128, steps attend over the smallest bucket that holds the
+    cache and the cache moves up as it grows; the tokens stay those of the single-bucket bundle."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "buckets")
+    m = export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK,
+                                                                  context_buckets=(32, 64), draft_layers=1),
+                      progress=False)
+    assert m.target.buckets() == [32, 64, 128] and m.draft.buckets() == [32, 64, 128]
+    g = Generator.load(out)
+    for length in (1, CHUNK + 1, 3 * CHUNK + 5):
+        prompt = prompt_of(length, seed=20 + length)
+        plain = gen.generate(prompt, 60, proposer="none", stop_ids=[]).tokens
+        for proposer in ("none", "ngram", "draft"):
+            assert g.generate(prompt, 60, proposer=proposer, gamma=4, stop_ids=[]).tokens == plain, proposer
+            assert g.target.cache.bucket == (128 if length + 60 > 64 else 64)
+    g.close()

@@ -74,7 +74,7 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
     import onnx
 
     path = os.path.join(bundle, graph.file)
-    label = f"{graph.file} ({name}, {graph.role}, T={graph.tokens})"
+    label = f"{graph.file} ({name}, {graph.role}, T={graph.tokens}, S={graph.context})"
     if not os.path.isfile(path):
         report.add(False, f"{label}: file missing")
         return
@@ -86,7 +86,7 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
     dims = model.dims
     ins, sym_in = _value_specs(proto.graph.input)
     outs, sym_out = _value_specs(proto.graph.output)
-    problems = _compare("input", ins, C.step_inputs(dims, graph.tokens, graph.step_mask))
+    problems = _compare("input", ins, C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context))
     problems += _compare("output", outs, C.step_outputs(dims, graph.tokens, graph.role))
     report.add(not problems, f"{label}: I/O matches the contract" if not problems else f"{label}: " + "; ".join(problems))
     report.add(not (sym_in or sym_out), f"{label}: every dim is fixed" if not (sym_in or sym_out)
@@ -133,7 +133,8 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
         session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False)
-        feeds = {s.name: np.zeros(s.shape, dtype=s.dtype) for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask)}
+        feeds = {s.name: np.zeros(s.shape, dtype=s.dtype)
+                 for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask, graph.context)}
         outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(model.dims, graph.tokens, graph.role)}
         session.bind(feeds, outputs)
         session.run()

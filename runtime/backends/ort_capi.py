@@ -245,6 +245,8 @@ class Env:
             api.SetSessionGraphOptimizationLevel(options, _OPT_LEVELS[optimization_level])
             if not prepack:
                 api.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1")
+            if os.environ.get("SPECEDGE_NOSPIN"):
+                api.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0")
             for name, (_, value) in self._weights.items():
                 api.AddInitializer(options, name.encode(), value)
             api.CreateSessionWithPrepackedWeightsContainer(self._env, os.fsencode(model_path), options,
