@@ -24,6 +24,7 @@ from ..graphs import contract as C
 from ..graphs.manifest import Manifest, load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
+from .draft_length import DraftLength
 from .model import ModelRunner
 from .proposers import DraftModelProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, probs_from_logits
@@ -121,8 +122,10 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
-               ngram: tuple[int, int] = (2, 4)) -> Iterator[list[int]]:
-        """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given."""
+               ngram: tuple[int, int] = (2, 4), adaptive: bool = True) -> Iterator[list[int]]:
+        """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
+
+        `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         except ValueError as e:
@@ -134,6 +137,7 @@ class Generator:
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
         drafter = self._proposer(proposer, ngram)
+        length = DraftLength(gamma if proposer != "none" else 0, adaptive)
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
@@ -143,6 +147,7 @@ class Generator:
         target.prefill(prompt[:-1])
         drafter.start(prompt)
         stats.prefill_ms = stats.ms_since_start()
+        graph_after_prefill = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
         context = list(prompt)
         emitted = 0
         reason = ""
@@ -151,7 +156,7 @@ class Generator:
                 reason = "context_full"
                 break
             t0 = time.perf_counter()
-            k = self._max_drafts(min(gamma, max_new_tokens - emitted - 1)) if proposer != "none" else 0
+            k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
             proposal = drafter.propose(context, k, sampler)
             t1 = time.perf_counter()
             base = target.cache.used
@@ -165,6 +170,7 @@ class Generator:
                                                          proposal.draft_probs, p, sampler.rng)
             target.cache.set_length(base + 1 + n_accepted)
             drafter.commit(n_accepted, next_token)
+            length.update(len(proposal.tokens), n_accepted)
             new = proposal.tokens[:n_accepted] + [int(next_token)]
             for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
                 if token in stop:
@@ -183,15 +189,17 @@ class Generator:
             yield new
         graph_after = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
         stats.graph_ms = (graph_after - graph_before) * 1e3
+        stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
         stats.finish(reason)
 
     def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4)) -> GenerationResult:
+                 stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
+                 adaptive: bool = True) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
-                               stop_ids, stats=stats, ngram=ngram):
+                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)

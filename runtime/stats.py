@@ -26,6 +26,7 @@ class Stats:
     verify_ms: float = 0.0
     commit_ms: float = 0.0
     graph_ms: float = 0.0  # inside graph runs (target and draft), prefill included
+    decode_graph_ms: float = 0.0  # inside graph runs after the prefill
     total_ms: float = 0.0
     ttft_ms: float = 0.0
     itl_ms: float = 0.0  # mean time between consecutive output tokens after the first
@@ -92,11 +93,17 @@ class Stats:
         """Everything outside graph runs: Python, acceptance, sampling, cache bookkeeping."""
         return max(0.0, self.total_ms - self.graph_ms)
 
+    @property
+    def host_share(self) -> float:
+        """The part of the decode rounds (prefill excluded) spent outside graph runs."""
+        decode = self.total_ms - self.prefill_ms
+        return max(0.0, 1 - self.decode_graph_ms / decode) if decode > 0 else 0.0
+
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         d.update(acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position,
                  tokens_per_round=self.tokens_per_round, tokens_per_s=self.tokens_per_s,
-                 decode_tokens_per_s=self.decode_tokens_per_s, host_ms=self.host_ms)
+                 decode_tokens_per_s=self.decode_tokens_per_s, host_ms=self.host_ms, host_share=self.host_share)
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
     def summary(self) -> str:

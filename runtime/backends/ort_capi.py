@@ -79,7 +79,13 @@ _FUNCS = {  # name: (index, restype, argtypes)
     "ReleaseValue": (96, None, [_P]),
     "ReleaseTypeInfo": (98, None, [_P]),
     "ReleaseSessionOptions": (100, None, [_P]),
+    "CreateEnvWithGlobalThreadPools": (119, _S, [c_int, c_char_p, _P, _PP]),
+    "DisablePerSessionThreads": (120, _S, [_P]),
+    "CreateThreadingOptions": (121, _S, [_PP]),
+    "ReleaseThreadingOptions": (122, None, [_P]),
     "AddSessionConfigEntry": (130, _S, [_P, c_char_p, c_char_p]),
+    "SetGlobalIntraOpNumThreads": (147, _S, [_P, c_int]),
+    "SetGlobalInterOpNumThreads": (148, _S, [_P, c_int]),
     "AddInitializer": (150, _S, [_P, c_char_p, _P]),
     "CreatePrepackedWeightsContainer": (166, _S, [_PP]),
     "ReleasePrepackedWeightsContainer": (167, None, [_P]),
@@ -162,6 +168,31 @@ def _api() -> _Api:
     return _API
 
 
+_POOL = {"threads": None, "usable": True}  # the process's global intra-op pool: its size, and whether it exists
+
+
+def _create_env(api: _Api, threads: int | None, out: c_void_p) -> bool:
+    """Get the process's OrtEnv, asking for one global intra-op thread pool; True if sessions should use it.
+
+    Every session of a bundle (draft and target, all T and buckets) then runs on the same threads: private
+    per-session pools spin waiting for work while another session runs, stealing the cores it needs (measured:
+    a draft model alternating with the target ran 1.5x slower). ORT keeps one refcounted OrtEnv per process, so
+    the pool exists only if this process's first env was created here (not, say, by onnxruntime's Python API):
+    create_session finds out and falls back to private pools. An Env asking for a different thread count than
+    the pool has also gets private pools."""
+    options = c_void_p()
+    api.CreateThreadingOptions(byref(options))
+    try:
+        api.SetGlobalIntraOpNumThreads(options, threads or 0)  # 0: ORT's default, one per physical core
+        api.SetGlobalInterOpNumThreads(options, 1)
+        api.CreateEnvWithGlobalThreadPools(_ORT_LOGGING_LEVEL_WARNING, b"specedge", options, byref(out))
+    finally:
+        api.ReleaseThreadingOptions(options)
+    if _POOL["threads"] is None:
+        _POOL["threads"] = threads or 0
+    return _POOL["usable"] and _POOL["threads"] == (threads or 0)
+
+
 def available() -> bool:
     """True when the library is found and serves the API version we need."""
     try:
@@ -206,7 +237,7 @@ class Env:
         self._weights: dict[str, tuple[np.ndarray, c_void_p]] = {}  # name -> (array kept alive, its OrtValue)
         self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         try:
-            api.CreateEnv(_ORT_LOGGING_LEVEL_WARNING, b"specedge", byref(self._env))
+            self._global_pool = _create_env(api, threads, self._env)
             api.CreatePrepackedWeightsContainer(byref(self._container))
             api.CreateCpuMemoryInfo(_ORT_ARENA_ALLOCATOR, _ORT_MEM_TYPE_DEFAULT, byref(self._mem_info))
         except BaseException:
@@ -235,18 +266,31 @@ class Env:
         api = self._api
         if optimization_level not in _OPT_LEVELS:
             raise ValueError(f"optimization_level must be one of {sorted(_OPT_LEVELS)}, got {optimization_level!r}")
+        try:
+            return self._create_session(model_path, prepack, optimization_level, self._global_pool)
+        except CapiError as e:
+            if not (self._global_pool and "CreateEnvWithGlobalThreadPools" in str(e)):
+                raise
+            _POOL["usable"] = self._global_pool = False  # the env predates us: no global pool to share
+            return self._create_session(model_path, prepack, optimization_level, False)
+
+    def _create_session(self, model_path: str, prepack: bool, optimization_level: str, global_pool: bool) -> Session:
+        api = self._api
         options, session = c_void_p(), c_void_p()
         api.CreateSessionOptions(byref(options))
         try:
-            if self.threads is not None:
-                api.SetIntraOpNumThreads(options, self.threads)
-            api.SetInterOpNumThreads(options, 1)
+            if global_pool:
+                api.DisablePerSessionThreads(options)
+            else:
+                if self.threads is not None:
+                    api.SetIntraOpNumThreads(options, self.threads)
+                api.SetInterOpNumThreads(options, 1)
+                # Private pools of sessions that run in turn would spin against each other on a few cores.
+                api.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0")
             api.SetSessionExecutionMode(options, _ORT_SEQUENTIAL)
             api.SetSessionGraphOptimizationLevel(options, _OPT_LEVELS[optimization_level])
             if not prepack:
                 api.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1")
-            if os.environ.get("SPECEDGE_NOSPIN"):
-                api.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0")
             for name, (_, value) in self._weights.items():
                 api.AddInitializer(options, name.encode(), value)
             api.CreateSessionWithPrepackedWeightsContainer(self._env, os.fsencode(model_path), options,

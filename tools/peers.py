@@ -1,0 +1,383 @@
+"""Peer systems for `specedge bench --compare`: the same model, prompts and threads, run in our process.
+
+A speed ratio against a peer is only meaningful when both numbers come from one run: same machine load,
+same thermal state, same prompts, same thread count. So the peers live here, behind one small interface,
+and the bench calls them right next to its own runs:
+
+    peer = load_peer("ort-genai", gguf_path, threads=2, cache_dir=cache)
+    for config in peer.configs:
+        result = peer.generate(prompt_ids, max_new_tokens=128, config=config)
+
+Both peers run the *same* float32 model: the Q4_1 GGUF dequantized by transformers. The transformers peer
+uses that model directly; the ORT GenAI peer gets an ONNX export of it made by ORT GenAI's own model
+builder from a Hugging Face directory we write out of the dequantized weights. Quantized peers would
+measure a different model, and their tokens could not be compared with ours.
+
+Every run is greedy and produces exactly `max_new_tokens` tokens: EOS is suppressed until then
+(`min_new_tokens` / `min_length`), because a peer that stops early on EOS would report a rate over a
+different amount of work. Times are end to end from the prompt ids to the last token (prefill included,
+model loading excluded).
+
+Nothing heavy is imported at module import: torch, transformers and onnxruntime_genai are imported inside
+the loaders, so `import specedge.tools.peers` is free and a missing package surfaces as `PeerUnavailable`
+only when that peer is asked for.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from ..errors import BackendError, GenerationError
+
+# What to tell a user who lacks a peer's packages. Both peers need torch + transformers: the ORT GenAI
+# peer uses them (once) to dequantize the GGUF and write the directory its model builder reads.
+_TORCH_HINT = "pip install 'specedge[peers]'  (or: pip install torch transformers accelerate)"
+_ORT_GENAI_HINT = "pip install 'specedge[peers]'  (or: pip install onnxruntime-genai torch transformers accelerate)"
+
+# The ORT GenAI n-gram setting we compare against: match the last 2 tokens (n=3), propose up to 8,
+# chained lookup on, fixed width (min_adaptive_k=0: ORT GenAI's docs recommend a fixed K for controlled
+# benchmarking, and an adaptive K would make the peer's work depend on timing noise).
+ORT_NGRAM_OPTIONS = {"ngram_size": 3, "max_draft_tokens": 8, "ngram_chained_lookup": True, "min_adaptive_k": 0}
+
+# transformers' prompt-lookup decoding: propose up to 10 tokens copied from the context
+# (it matches n-grams of up to `max_matching_ngram_size`, default 2).
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+class PeerUnavailable(BackendError):
+    """A peer whose packages are not installed; the message says what to install."""
+
+
+@dataclass
+class PeerResult:
+    tokens: list[int]        # exactly max_new_tokens greedy tokens, prompt excluded
+    total_s: float           # prompt ids in -> last token out, prefill included
+    ttft_s: float | None     # prompt ids in -> first new token available; None if the peer cannot tell
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.total_s if self.total_s > 0 else float("inf")
+
+
+class Peer:
+    """One peer system, loaded and ready; `generate` is the only timed call."""
+
+    name: str = ""
+    configs: list[str] = []
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, config: str = "plain") -> PeerResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop the model so a bench can free memory before loading the next peer."""
+
+    def _check_args(self, prompt_ids, max_new_tokens: int, config: str) -> list[int]:
+        if config not in self.configs:
+            raise GenerationError(f"peer {self.name!r} has no config {config!r}; it has {', '.join(self.configs)}")
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise GenerationError("the prompt is empty")
+        return ids
+
+    def _check_result(self, tokens: list[int], max_new_tokens: int, config: str) -> list[int]:
+        # A short result would silently inflate tokens/s; make it loud instead.
+        if len(tokens) != max_new_tokens:
+            raise BackendError(
+                f"peer {self.name!r} ({config}) produced {len(tokens)} tokens, asked for exactly {max_new_tokens}"
+            )
+        return tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# The float32 model, from the GGUF, through transformers (shared by both peers)
+# --------------------------------------------------------------------------------------------------
+
+def _import_torch_transformers():
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise PeerUnavailable(f"this peer needs torch and transformers ({e.name} is missing): {_TORCH_HINT}") from e
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loading goes through it)
+    except ImportError as e:
+        raise PeerUnavailable(f"this peer needs accelerate: {_TORCH_HINT}") from e
+    return torch, transformers
+
+
+def _load_hf_fp32(gguf_path: str):
+    """The GGUF's model as a plain float32 transformers model, plus its tokenizer."""
+    torch, transformers = _import_torch_transformers()
+    if not os.path.isfile(gguf_path):
+        raise BackendError(f"no GGUF file at {gguf_path}")
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    kwargs = {"gguf_file": name, "dtype": torch.float32}
+    # transformers >= 5 can keep GGUF weights packed and run them through GGUF matmul kernels when the
+    # `kernels` package is installed: that would be a different model (and different speed) from ours.
+    # Ask for plain dequantized weights explicitly wherever the option exists.
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    if gguf_config is not None:
+        kwargs["quantization_config"] = gguf_config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.eval()
+    odd = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
+    packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
+    if odd or packed:
+        raise BackendError(f"the GGUF did not load as a plain float32 model (dtypes {odd}, modules {packed})")
+    return model, tokenizer
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+# --------------------------------------------------------------------------------------------------
+
+class TransformersPeer(Peer):
+    """`model.generate` on the dequantized float32 model, eager PyTorch on CPU.
+
+    TTFT comes from a `BaseStreamer` that timestamps the first new token. generate() calls the streamer
+    once with the prompt and then once per step with a tensor already on the CPU, so the streamer costs
+    a Python call per token and no device synchronization; it is attached to every run (timed or not)
+    so all configs pay the same.
+    """
+
+    name = "transformers"
+
+    def __init__(self, gguf_path: str, threads: int):
+        torch, transformers = _import_torch_transformers()
+        # Process-wide, like our own thread setting: torch's intra-op pool is separate from ORT's, so
+        # this does not disturb the other systems in the bench.
+        torch.set_num_threads(threads)
+        self._torch = torch
+        self._streamer_base = transformers.generation.streamers.BaseStreamer
+        self.model, self.tokenizer = _load_hf_fp32(gguf_path)
+        gc = self.model.generation_config
+        self._eos = gc.eos_token_id if gc.eos_token_id is not None else self.model.config.eos_token_id
+        self._pad = gc.pad_token_id if gc.pad_token_id is not None else self._eos
+        self.configs = ["plain", "prompt-lookup"]
+        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+
+    def _clock(self):
+        base = self._streamer_base
+
+        class FirstTokenClock(base):
+            def __init__(self):
+                self.puts = 0
+                self.first = None
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 2 and self.first is None:  # put #1 is the prompt itself
+                    self.first = time.perf_counter()
+
+            def end(self):
+                pass
+
+        return FirstTokenClock()
+
+    def generate(self, prompt_ids, max_new_tokens: int, config: str = "plain") -> PeerResult:
+        ids = self._check_args(prompt_ids, max_new_tokens, config)
+        torch = self._torch
+        extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if config == "prompt-lookup" else {}
+        clock = self._clock()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            out = self.model.generate(
+                input_ids,
+                # All ones, always: SmolLM2's pad id is <|im_end|>, which every chat prompt contains, and
+                # without an explicit mask transformers would infer one that masks those positions out.
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=self._eos,
+                pad_token_id=self._pad,
+                streamer=clock,
+                **extra,
+            )
+            total = time.perf_counter() - t0
+        tokens = out[0, len(ids):].tolist()
+        ttft = clock.first - t0 if clock.first is not None else None
+        return PeerResult(self._check_result(tokens, max_new_tokens, config), total, ttft)
+
+    def close(self) -> None:
+        self.model = None
+
+
+# --------------------------------------------------------------------------------------------------
+# ONNX Runtime GenAI
+# --------------------------------------------------------------------------------------------------
+
+def _import_og():
+    try:
+        import onnxruntime_genai as og
+    except ImportError as e:
+        raise PeerUnavailable(f"the ort-genai peer needs onnxruntime-genai: {_ORT_GENAI_HINT}") from e
+    return og
+
+
+def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None) -> str:
+    """The ORT GenAI fp32 CPU model folder for this GGUF, built once and cached under `cache_dir`.
+
+    The folder name carries the GGUF's digest and the onnxruntime-genai version (a newer builder may
+    export differently), so a changed input gets a fresh build instead of a stale one. The build happens in
+    a scratch folder that is renamed into place only when complete, so an interrupted build is never
+    mistaken for a finished one.
+    """
+    og = _import_og()
+    digest = _file_digest(gguf_path)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    out_dir = os.path.join(cache_dir, "ort-genai", f"{stem}-{digest[:16]}-fp32-cpu-ogenai{og.__version__}")
+    marker = os.path.join(out_dir, "specedge-peer.json")
+    if os.path.isfile(marker):
+        return out_dir
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    say(f"ort-genai: building its fp32 CPU model once, into {out_dir}")
+    work = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
+    try:
+        # 1. A Hugging Face folder holding the dequantized float32 weights: the builder's input format.
+        #    transformers refuses save_pretrained on a model loaded through its GGUF quantizer, though the
+        #    weights are plain float32 by now; detach the quantizer so it writes them out as they are.
+        hf_dir = os.path.join(work, "hf")
+        model, tokenizer = _load_hf_fp32(gguf_path)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
+        del model
+
+        # 2. ORT GenAI's model builder, as its documented command line, in a child process so its imports
+        #    and memory stay out of the bench. Default options: no prune_lm_head (n-gram decoding needs
+        #    logits for every position, and the plain runs should use the same model file).
+        built = os.path.join(work, "model")
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder",
+               "-i", hf_dir, "-o", built, "-p", "fp32", "-e", "cpu", "-c", os.path.join(work, "builder-cache")]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            tail = proc.stdout[-3000:]
+            if "No module named" in tail:
+                raise PeerUnavailable(f"onnxruntime-genai's model builder is missing a package:\n{tail}\n{_ORT_GENAI_HINT}")
+            raise BackendError(f"onnxruntime-genai's model builder failed ({proc.returncode}):\n{tail}")
+        with open(os.path.join(built, "specedge-peer.json"), "w") as f:
+            json.dump({"gguf": os.path.basename(gguf_path), "gguf_sha256": digest,
+                       "onnxruntime_genai": og.__version__, "builder_args": ["-p", "fp32", "-e", "cpu"]}, f, indent=1)
+        try:
+            os.replace(built, out_dir)
+        except OSError:
+            if not os.path.isfile(marker):  # not a concurrent builder that finished first
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out_dir
+
+
+class OrtGenaiPeer(Peer):
+    """onnxruntime-genai's Generator loop (append_tokens, generate_next_token) on its fp32 CPU export.
+
+    TTFT is the time to the end of the first generate_next_token(): append_tokens() runs the prefill and
+    the first call picks the token from its logits. With n-gram decoding ORT GenAI verifies several
+    tokens per model run but still hands them out one per generate_next_token() call.
+    """
+
+    name = "ort-genai"
+
+    def __init__(self, gguf_path: str, threads: int, cache_dir: str):
+        og = _import_og()
+        self._og = og
+        self._np = __import__("numpy")
+        self.model_dir = build_ort_genai_model(gguf_path, cache_dir)
+        config = og.Config(self.model_dir)
+        config.clear_providers()  # CPU
+        if not hasattr(config, "overlay"):
+            raise PeerUnavailable(f"onnxruntime-genai {og.__version__} is too old (no Config.overlay): {_ORT_GENAI_HINT}")
+        # Threads go into the session options at load time; the cached genai_config.json stays untouched
+        # so one build serves every thread count.
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
+        self.model = og.Model(config)
+        self.configs = ["plain"]
+        if self._supports_ngram():
+            self.configs.append("ngram")
+        self.versions = {"onnxruntime-genai": og.__version__}
+        try:
+            import onnxruntime
+            self.versions["onnxruntime"] = onnxruntime.__version__
+        except ImportError:
+            pass
+
+    def _supports_ngram(self) -> bool:
+        # n-gram speculative decoding is recent in onnxruntime-genai (set_speculative_options, ngram_size);
+        # ask the installed version what it knows rather than guess from its version number.
+        params = self._og.GeneratorParams(self.model)
+        if not hasattr(params, "set_speculative_options"):
+            return False
+        try:
+            return "ngram_size" in params.get_speculative_options()
+        except Exception:
+            return False
+
+    def generate(self, prompt_ids, max_new_tokens: int, config: str = "plain") -> PeerResult:
+        ids = self._check_args(prompt_ids, max_new_tokens, config)
+        og, np = self._og, self._np
+        total_len = len(ids) + max_new_tokens
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        # min_length == max_length: EOS cannot end the run early, so every run is exactly N tokens.
+        params.set_search_options(max_length=total_len, min_length=total_len, do_sample=False)
+        if config == "ngram":
+            params.set_speculative_options(**ORT_NGRAM_OPTIONS)
+        generator = og.Generator(self.model, params)
+        generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        first = None
+        while not generator.is_done():
+            generator.generate_next_token()
+            if first is None:
+                first = time.perf_counter()
+        sequence = generator.get_sequence(0)
+        total = time.perf_counter() - t0
+        self.last_stats = generator.get_speculative_stats() if config == "ngram" else None
+        tokens = [int(t) for t in sequence[len(ids):]]
+        return PeerResult(self._check_result(tokens, max_new_tokens, config), total, first - t0 if first else None)
+
+    def close(self) -> None:
+        self.model = None
+
+
+# --------------------------------------------------------------------------------------------------
+
+PEERS = {
+    "transformers": lambda gguf_path, threads, cache_dir: TransformersPeer(gguf_path, threads),
+    "ort-genai": lambda gguf_path, threads, cache_dir: OrtGenaiPeer(gguf_path, threads, cache_dir),
+}
+
+
+def load_peer(name: str, gguf_path: str, threads: int, cache_dir: str) -> Peer:
+    """Load a peer on the GGUF's float32 model; raises PeerUnavailable if its packages are missing.
+
+    Loading (and, for ort-genai, the first-time build) is not timed; `generate` is. The bench should warm
+    each peer config up the same way it warms up its own runs.
+    """
+    if name not in PEERS:
+        raise GenerationError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+    if threads < 1:
+        raise GenerationError(f"threads must be at least 1, got {threads}")
+    return PEERS[name](gguf_path, threads, cache_dir)
