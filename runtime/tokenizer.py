@@ -36,16 +36,25 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, user_text: str, system: str | None = None) -> list[int]:
-        """The chat template rendered for one user turn plus the assistant's generation prompt."""
+    def apply_chat_template(self, messages: str | list[dict]) -> list[int]:
+        """The chat template rendered for the messages (a string is one user turn) plus the assistant's
+        generation prompt, with the settings transformers renders chat templates with."""
         if not self.chat_template:
             raise GenerationError("this bundle's tokenizer has no chat template; drop --chat")
         try:
             import jinja2
+            import jinja2.sandbox
         except ImportError:
-            raise GenerationError("--chat needs jinja2: pip install 'specedge[text]'") from None
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
+            raise GenerationError("chat templates need jinja2: pip install 'specedge[text]'") from None
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+
+        def raise_exception(message):
+            raise GenerationError(f"chat template: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
         text = env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
                                                           bos_token="", eos_token="")
         # The template writes its own special tokens; add no BOS beyond what it wrote.

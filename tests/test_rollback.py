@@ -1,0 +1,83 @@
+"""Commit and rollback are a rewrite of cache_len: after any pattern of accepts and rejects, the valid part
+of each cache equals a fresh prefill of the committed tokens, and the buffers are the same objects."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specedge.runtime.generator import Generator
+from specedge.runtime.proposers import DraftModelProposer, Sampler
+from specedge.runtime.sampling import SamplingParams
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_bundle):
+    g = Generator.load(tiny_bundle)
+    fresh = Generator.load(tiny_bundle)  # a second runtime: the reference prefill
+    yield g, fresh
+    g.close()
+    fresh.close()
+
+
+def assert_cache_is_prefill_of(runner, reference, tokens):
+    reference.reset()
+    reference.prefill(tokens)
+    n = len(tokens)
+    assert runner.cache.used == n
+    if n == 0:
+        return
+    for got, want in zip(runner.cache.keys + runner.cache.values, reference.cache.keys + reference.cache.values):
+        assert np.abs(got[:, :, :n] - want[:, :, :n]).max() <= TOL
+
+
+rounds = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(2, 999)), min_size=1, max_size=10)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(2, 999), min_size=1, max_size=40), pattern=rounds, seed=st.integers(0, 99))
+def test_target_cache_after_random_acceptance(runtime, prompt, pattern, seed):
+    g, fresh = runtime
+    target = g.target
+    rng = np.random.default_rng(seed)
+    target.reset()
+    target.prefill(prompt[:-1])
+    buffers = [b for b in target.cache.keys + target.cache.values]
+    pointers = [b.ctypes.data for b in buffers]
+    committed = list(prompt)
+    for k, accept, correction in pattern:
+        k = min(k, target.cache.free - 1)
+        if k < 0 or target.step_graph_for(k + 1) is None:
+            break
+        drafts = rng.integers(2, 999, k).tolist()
+        base = target.cache.used
+        target.run([committed[-1]] + drafts)
+        n = min(accept, k)
+        target.cache.set_length(base + 1 + n)  # the commit: nothing else changes
+        committed += drafts[:n] + [correction]
+        assert_cache_is_prefill_of(target, fresh.target, committed[:-1])
+    assert all(a is b for a, b in zip(target.cache.keys + target.cache.values, buffers))
+    assert [b.ctypes.data for b in target.cache.keys + target.cache.values] == pointers
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(2, 999), min_size=1, max_size=40), pattern=rounds)
+def test_draft_cache_follows_the_commits(runtime, prompt, pattern):
+    """The draft model's cache holds every committed token but the pending one and those it must catch up
+    on (after a full accept, the last draft waits to be fed with the next pending token)."""
+    g, fresh = runtime
+    proposer = DraftModelProposer(g.draft)
+    sampler = Sampler(SamplingParams(), np.random.default_rng(0), g.target.dims.vocab_size)
+    proposer.start(prompt)
+    committed = list(prompt)
+    for k, accept, correction in pattern:
+        if g.draft.cache.free < 12:
+            break
+        proposal = proposer.propose(committed, min(k, 8), sampler)
+        n = min(accept, len(proposal))
+        proposer.commit(n, correction)
+        committed += proposal.tokens[:n] + [correction]
+        behind = len(proposer._behind)
+        assert_cache_is_prefill_of(g.draft, fresh.draft, committed[: len(committed) - 1 - behind])
+        assert committed[len(committed) - 1 - behind:-1] == proposer._behind

@@ -1,0 +1,121 @@
+"""Bad input to the runtime ends in one clear message and a non-zero exit, never a traceback; and the
+runtime runs where torch cannot even be imported."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import CHUNK
+
+
+def generate(bundle, *args):
+    return subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, *args], capture_output=True,
+                          text=True)
+
+
+def assert_clean_error(r, expected):
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert expected in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--prompt-ids", ",".join(["5"] * 128)], "must be shorter than that"),
+    (["--prompt-ids", "5,6", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+    (["--prompt-ids", "5,6", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "5,6", "--temperature", "1", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "5,6", "--temperature", "1", "--top-p", "1.5"], "top_p"),
+    (["--prompt-ids", "5,6", "--top-k", "-3"], "top_k"),
+    (["--prompt-ids", "5,6", "--proposer", "ngram", "--gamma", "3"], "gamma 3 has no verify graph"),
+    (["--prompt-ids", "5,6,99999"], "outside the vocabulary"),
+    (["--prompt", "t5 t6", "--chat", "--prompt-ids", "1"], ""),  # argparse: mutually exclusive (exit 2)
+])
+def test_bad_generation_input(tiny_bundle, args, expected):
+    r = generate(tiny_bundle, *args)
+    if expected:
+        assert_clean_error(r, expected)
+    else:
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_draft_proposer_needs_a_draft(tiny_models, tmp_path):
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "nodraft")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,)),
+                  progress=False)
+    assert_clean_error(generate(out, "--prompt-ids", "5,6", "--proposer", "draft"), "needs a bundle with a draft")
+
+
+def damaged(tiny_pair_bundle, tmp_path, how):
+    b = str(tmp_path / how)
+    shutil.copytree(tiny_pair_bundle, b)
+    path = f"{b}/manifest.json"
+    m = json.load(open(path))
+    if how == "vocab":  # the exporter's record of how the vocabularies were matched says they differ
+        m["vocab"] = {"target": 1000, "draft": 1000, "match": None}
+    elif how == "dims":
+        m["models"]["target"]["num_kv_heads"] = 4
+    elif how == "truncated":
+        graph = f"{b}/target.step5.s128.onnx"
+        data = open(graph, "rb").read()
+        open(graph, "wb").write(data[: len(data) // 3])
+    elif how == "weights":
+        os.remove(f"{b}/target.weights.bin")
+    elif how == "not_json":
+        open(path, "w").write("{not json")
+        return b
+    elif how == "version":
+        m["version"] = 99
+    json.dump(m, open(path, "w"))
+    return b
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("vocab", "vocabularies do not match"),
+    ("dims", "manifest disagrees with target"),
+    ("truncated", "target.step5.s128.onnx is corrupt"),
+    ("weights", "weights file missing"),
+    ("not_json", "not valid JSON"),
+    ("version", "version 99 is not supported"),
+])
+def test_corrupt_bundles(tiny_pair_bundle, tmp_path, how, expected):
+    b = damaged(tiny_pair_bundle, tmp_path, how)
+    assert_clean_error(generate(b, "--prompt-ids", "5,6,7", "--proposer", "draft", "--gamma", "4"), expected)
+
+
+def test_missing_bundle(tmp_path):
+    assert_clean_error(generate(str(tmp_path / "nope"), "--prompt-ids", "1"), "bundle not found")
+
+
+BLOCK_TORCH = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'transformers', 'onnx'):
+            raise ImportError(f'{name} is blocked in this test')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_runtime_runs_without_torch(tiny_bundle, tmp_path):
+    """The runtime imports and generates with only numpy + onnxruntime (+ tokenizers for text)."""
+    script = BLOCK_TORCH + f"""
+from specedge.runtime.generator import Generator
+g = Generator.load({tiny_bundle!r})
+out = g.generate([5, 6, 7, 5, 6], 12, proposer="draft", gamma=4, stop_ids=[])
+out2 = g.generate([5, 6, 7, 5, 6], 12, proposer="ngram", gamma=4, temperature=0.8, top_k=50, seed=1, stop_ids=[])
+assert len(out.tokens) == 12 and len(out2.tokens) == 12
+assert not any(m.split('.')[0] in ('torch', 'transformers', 'onnx') for m in sys.modules)
+print("ok", out.text)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
+    cli = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import sys; from specedge.cli import main; "
+                          f"sys.exit(main(['generate', {tiny_bundle!r}, '--prompt', 't5 t6 t7', '--json', "
+                          "'--max-new-tokens', '5']))"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert out["prompt_ids"] == [5, 6, 7] and len(out["tokens"]) == 5 and out["stats"]["new_tokens"] == 5

@@ -1,0 +1,323 @@
+"""`specedge bench`: every configuration on every prompt, in one process, interleaved, with medians.
+
+Configurations are plain decode (`none`), each proposer at each gamma, and optionally peer systems
+(`--compare transformers,ort-genai`) on the same prompt ids, threads and token budget. Runs interleave
+(repeat -> prompt -> configuration) so drift on a shared machine hits every configuration alike; each
+(prompt, configuration) keeps the median of its repeats. Greedy outputs are compared with plain decode's
+token for token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..errors import SpecedgeError
+
+
+class BenchError(SpecedgeError):
+    pass
+
+
+@dataclass
+class Config:
+    name: str
+    proposer: str = "none"  # ours: none | ngram | draft
+    gamma: int = 0
+    peer: str | None = None  # a peer system's name
+    peer_config: str | None = None
+
+
+@dataclass
+class Run:
+    config: str
+    prompt: str
+    kind: str
+    prompt_tokens: int
+    tokens: list[int]
+    total_ms: float
+    ttft_ms: float | None
+    itl_ms: float | None = None
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    host_share: float | None = None
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    commit_ms: float = 0.0
+
+
+def load_prompts(path: str) -> list[dict]:
+    """A JSONL file of {"id", "kind", "messages"} objects (a "prompt" string may replace "messages")."""
+    if not os.path.isfile(path):
+        raise BenchError(f"prompts file not found: {path}")
+    prompts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                raise BenchError(f"{path}:{number}: not JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(item, dict) or not ("messages" in item or "prompt" in item):
+                raise BenchError(f"{path}:{number}: expected an object with \"messages\" (or \"prompt\")")
+            item.setdefault("id", f"prompt-{number}")
+            item.setdefault("kind", "open")
+            prompts.append(item)
+    if not prompts:
+        raise BenchError(f"{path} holds no prompts")
+    return prompts
+
+
+def configs_for(proposers: list[str], gammas: list[int], has_draft: bool) -> list[Config]:
+    configs = [Config("none")]
+    for proposer in proposers:
+        if proposer == "none":
+            continue
+        if proposer not in ("ngram", "draft"):
+            raise BenchError(f"unknown proposer {proposer!r} (choose from none, ngram, draft)")
+        if proposer == "draft" and not has_draft:
+            raise BenchError("proposer 'draft' needs a bundle with a draft model (export with --draft-layers N)")
+        configs += [Config(f"{proposer} g={g}", proposer, g) for g in gammas]
+    return configs
+
+
+def _median_run(runs: list[Run]) -> Run:
+    """The repeat with the median end-to-end time (its other numbers come along)."""
+    return sorted(runs, key=lambda r: r.total_ms)[len(runs) // 2]
+
+
+def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
+    """One row per (configuration, prompt kind): throughput over the kind's prompts and medians."""
+    by_key: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        by_key.setdefault((r.config, r.prompt), []).append(r)
+    medians = [_median_run(v) for v in by_key.values()]
+    reference = {m.prompt: m.tokens for m in medians if m.config == "none"}
+    rows = []
+    kinds = sorted({m.kind for m in medians}) + ["all"]
+    for kind in kinds:
+        base = None
+        for c in configs:
+            ms = [m for m in medians if m.config == c.name and (kind == "all" or m.kind == kind)]
+            if not ms:
+                continue
+            new = sum(len(m.tokens) for m in ms)
+            seconds = sum(m.total_ms for m in ms) / 1e3
+            tps = new / seconds if seconds else 0.0
+            if c.name == "none":
+                base = tps
+            ttfts = [m.ttft_ms for m in ms if m.ttft_ms is not None]
+            itls = [m.itl_ms for m in ms if m.itl_ms is not None]
+            hosts = [m.host_share for m in ms if m.host_share is not None]
+            rounds = sum(m.rounds for m in ms)
+            proposed, accepted = sum(m.proposed for m in ms), sum(m.accepted for m in ms)
+            width = max((len(m.proposed_by_position) for m in ms), default=0)
+            by_pos = []
+            for j in range(width):
+                p = sum(m.proposed_by_position[j] for m in ms if j < len(m.proposed_by_position))
+                a = sum(m.accepted_by_position[j] for m in ms if j < len(m.accepted_by_position))
+                by_pos.append(a / p if p else 0.0)
+            rows.append({
+                "config": c.name, "kind": kind, "prompts": len(ms), "tokens_per_s": tps,
+                "speedup": tps / base if base else None,
+                "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                "itl_ms": statistics.median(itls) if itls else None,
+                "tokens_per_round": new / rounds if rounds else None,
+                "acceptance": accepted / proposed if proposed else None,
+                "acceptance_by_position": by_pos,
+                "host_share": statistics.mean(hosts) if hosts else None,
+                "draft_ms_per_round": sum(m.draft_ms for m in ms) / rounds if rounds else None,
+                "verify_ms_per_round": sum(m.verify_ms for m in ms) / rounds if rounds else None,
+                "commit_ms_per_round": sum(m.commit_ms for m in ms) / rounds if rounds else None,
+                "identical": sum(m.tokens == reference.get(m.prompt) for m in ms),
+            })
+    return rows
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def render_table(rows: list[dict]) -> str:
+    head = ("| kind | configuration | tokens/s | speed-up | TTFT ms | ITL ms | tokens/round | acceptance "
+            "| host share | identical |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['kind']} | {r['config']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}x "
+                     f"| {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['itl_ms'], '.1f')} | {_fmt(r['tokens_per_round'], '.2f')} "
+                     f"| {_fmt(r['acceptance'], '.0%')} | {_fmt(r['host_share'], '.1%')} | {r['identical']}/{r['prompts']} |")
+    return "\n".join(lines)
+
+
+def render_round_breakdown(rows: list[dict]) -> str:
+    """Where a decode round's time goes: drafting, verifying, committing (host) per configuration."""
+    lines = ["| configuration | draft ms/round | verify ms/round | commit ms/round | host share of decode |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "all" or r["verify_ms_per_round"] is None:
+            continue
+        lines.append(f"| {r['config']} | {r['draft_ms_per_round']:.2f} | {r['verify_ms_per_round']:.2f} "
+                     f"| {r['commit_ms_per_round']:.2f} | {_fmt(r['host_share'], '.1%')} |")
+    return "\n".join(lines)
+
+
+def write_plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install 'specedge[bench]'") from None
+    kinds = [k for k in dict.fromkeys(r["kind"] for r in rows) if k != "all"] or ["all"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        values = [next((r["tokens_per_s"] for r in rows if r["config"] == c and r["kind"] == kind), 0) for c in configs]
+        ax1.bar([x + i * width for x in range(len(configs))], values, width, label=kind)
+    ax1.set_xticks([x + width * (len(kinds) - 1) / 2 for x in range(len(configs))])
+    ax1.set_xticklabels(configs, rotation=35, ha="right", fontsize=8)
+    ax1.set_ylabel("tokens/s (end to end)")
+    ax1.set_title("speed by configuration")
+    ax1.legend()
+    for r in rows:
+        if r["kind"] == "all" and r["acceptance_by_position"]:
+            ax2.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o",
+                     label=r["config"])
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1)
+    ax2.set_title("acceptance by draft position (all prompts)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class _Bar:
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+        except ImportError:
+            self.bar = None
+
+    def step(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text[-40:], refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list[int], repeats: int = 3,
+              max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
+              kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
+              peer_model: str | None = None, adaptive: bool = True) -> dict:
+    from ..runtime.generator import Generator
+    from ..runtime.stats import Stats
+
+    if repeats < 1:
+        raise BenchError("--repeats must be at least 1")
+    prompts = load_prompts(prompts_path)
+    if kinds:
+        prompts = [p for p in prompts if p["kind"] in kinds]
+    prompts = prompts[:limit] if limit else prompts
+    if not prompts:
+        raise BenchError(f"no prompts of kind {', '.join(kinds or [])} in {prompts_path}")
+    gen = Generator.load(bundle, backend=backend, threads=threads)
+    if gen.tokenizer is None:
+        raise BenchError("the bundle has no tokenizer (or the tokenizers package is missing): bench needs text prompts")
+    configs = configs_for(proposers, gammas, gen.draft is not None)
+    peers = _load_peers(compare or [], gen, bundle, threads, peer_model)
+    for peer in peers.values():
+        configs += [Config(f"{peer.name} {c}", peer=peer.name, peer_config=c) for c in peer.configs]
+    ids = {p["id"]: (gen.tokenizer.apply_chat_template(p["messages"]) if "messages" in p
+                     else gen.tokenizer.encode(p["prompt"])) for p in prompts}
+
+    def run_once(c: Config, prompt: dict, n: int) -> Run:
+        pid = ids[prompt["id"]]
+        if c.peer:
+            out = peers[c.peer].generate(pid, n, c.peer_config)
+            return Run(c.name, prompt["id"], prompt["kind"], len(pid), list(out.tokens), out.total_s * 1e3,
+                       None if out.ttft_s is None else out.ttft_s * 1e3)
+        s = Stats()
+        tokens = [t for new in gen.stream(pid, n, proposer=c.proposer, gamma=c.gamma or 4, stop_ids=[], stats=s,
+                                          adaptive=adaptive) for t in new]
+        return Run(c.name, prompt["id"], prompt["kind"], len(pid), tokens, s.total_ms, s.ttft_ms, s.itl_ms,
+                   s.rounds, s.proposed, s.accepted, s.proposed_by_position, s.accepted_by_position, s.host_share,
+                   s.draft_ms, s.verify_ms, s.commit_ms)
+
+    for c in configs:  # warm-up: sessions created, first-run allocations done, before anything is timed
+        run_once(c, prompts[0], 8)
+    bar = _Bar(repeats * len(prompts) * len(configs))
+    runs = []
+    started = time.time()
+    try:
+        for _ in range(repeats):
+            for prompt in prompts:
+                for c in configs:
+                    runs.append(run_once(c, prompt, max_new_tokens))
+                    bar.step(f"{prompt['id']} {c.name}")
+    finally:
+        bar.close()
+    rows = summarize(runs, configs)
+    return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats,
+            "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
+            "configs": [c.name for c in configs], "machine": _machine(), "seconds": round(time.time() - started),
+            "rows": rows, "runs": [r.__dict__ for r in runs]}
+
+
+def _load_peers(names: list[str], gen, bundle: str, threads, peer_model: str | None) -> dict:
+    if not names:
+        return {}
+    from .peers import PEERS, PeerUnavailable, load_peer
+
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise BenchError(f"unknown peer {unknown[0]!r}; --compare takes {', '.join(PEERS)}")
+    model = peer_model or _default_peer_model(gen)
+    if model is None:
+        raise BenchError("--compare needs the model the bundle was exported from: pass --peer-model PATH")
+    cache = os.path.join(_cache_dir(), "peers")
+    peers = {}
+    for name in names:
+        try:
+            peers[name] = load_peer(name, model, threads or 0, cache)
+        except PeerUnavailable as e:
+            raise BenchError(f"--compare {name}: {e}") from None
+    return peers
+
+
+def _default_peer_model(gen) -> str | None:
+    """The bundle's source when it is the embedded SmolLM2 GGUF (peers need the original model)."""
+    from .demo import smollm2_gguf
+
+    path = smollm2_gguf()
+    source = gen.manifest.export.get("target")
+    return path if path and source == os.path.basename(path) else None
+
+
+def _cache_dir() -> str:
+    from .demo import cache_dir
+
+    return cache_dir()
+
+
+def _machine() -> str:
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}"
