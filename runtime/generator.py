@@ -51,6 +51,7 @@ class Generator:
         self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend) if manifest.draft else None
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
+        self._sessions_seen = (0, 0)
 
     @classmethod
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "Generator":
@@ -103,13 +104,18 @@ class Generator:
         return NoProposer()
 
     def _warm(self, proposer: str, gamma: int) -> None:
-        """Create the sessions this run needs now, so a broken graph fails before any output."""
+        """Create the sessions this run can touch now, so a broken graph fails before any output and no
+        session is created inside a timed round: every target graph (a prefill tail or a short proposal may
+        use any step size), and the draft's graphs when it drafts. Sessions are kept for later runs."""
         chunk = self.manifest.target.prefill_tokens()
         prefill = [(C.PREFILL, chunk)] if chunk else []
-        self.target.warm(prefill + [(C.STEP, 1)] + ([(C.STEP, gamma + 1)] if proposer != "none" else []))
+        self.target.warm(prefill + [(C.STEP, t) for t in self.manifest.target.step_tokens()])
         if proposer == "draft":
             draft_chunk = self.manifest.draft.prefill_tokens()
             self.draft.warm(([(C.PREFILL, draft_chunk)] if draft_chunk else []) + [(C.STEP, 1), (C.STEP, 2)])
+        if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
+            self.backend.release_raw_weights()  # new sessions packed their weights: the raw pages can go
+            self._sessions_seen = (self.target.sessions, self.draft.sessions if self.draft else 0)
 
     def _max_drafts(self, wanted: int) -> int:
         """The most drafts (<= wanted) whose verify step fits a graph and the free cache slots."""

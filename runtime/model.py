@@ -69,6 +69,10 @@ class ModelRunner:
             self._steps[key] = _Step(session, self.dims, graph, self.cache)
         return self._steps[key]
 
+    @property
+    def sessions(self) -> int:
+        return len(self._steps)
+
     def warm(self, roles_tokens: list[tuple[str, int]]) -> None:
         """Create (and validate) the sessions a run will need, in every bucket, before it produces output."""
         for role, tokens in roles_tokens:

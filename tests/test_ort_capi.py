@@ -292,9 +292,14 @@ def test_every_api_entry_is_called(model):
     originals = {name: getattr(api, name) for name in oc._FUNCS}
     for name, fn in originals.items():
         setattr(api, name, wrap(name, fn))
+    oc._SHARED_ARENA["registered"] = False  # registered once per process: make this flow register it again
     try:
-        test_metadata(model)
-        with oc.Env(threads=1) as env:
+        test_metadata(model)  # creates an Env, so the process's global pool exists
+        pool_threads = oc._POOL["threads"]
+        with oc.Env(threads=pool_threads + 1) as other:  # a thread count the global pool lacks: private pools
+            other.add_weights(model["views"])
+            other.create_session(model["path"](1))
+        with oc.Env(threads=pool_threads or None) as env:  # the pool's own count: the global pool
             env.add_weights(model["views"])
             s = env.create_session(model["path"](1), prepack=False)
             with pytest.raises(oc.CapiError):

@@ -25,6 +25,7 @@ only when that peer is asked for.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -107,10 +108,8 @@ def _import_torch_transformers():
         import transformers
     except ImportError as e:
         raise PeerUnavailable(f"this peer needs torch and transformers ({e.name} is missing): {_TORCH_HINT}") from e
-    try:
-        import accelerate  # noqa: F401  (transformers' GGUF loading goes through it)
-    except ImportError as e:
-        raise PeerUnavailable(f"this peer needs accelerate: {_TORCH_HINT}") from e
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loading goes through it
+        raise PeerUnavailable(f"this peer needs accelerate: {_TORCH_HINT}")
     return torch, transformers
 
 
@@ -163,8 +162,9 @@ class TransformersPeer(Peer):
     def __init__(self, gguf_path: str, threads: int):
         torch, transformers = _import_torch_transformers()
         # Process-wide, like our own thread setting: torch's intra-op pool is separate from ORT's, so
-        # this does not disturb the other systems in the bench.
-        torch.set_num_threads(threads)
+        # this does not disturb the other systems in the bench. 0 keeps torch's own default.
+        if threads:
+            torch.set_num_threads(threads)
         self._torch = torch
         self._streamer_base = transformers.generation.streamers.BaseStreamer
         self.model, self.tokenizer = _load_hf_fp32(gguf_path)
@@ -308,11 +308,12 @@ class OrtGenaiPeer(Peer):
         self.model_dir = build_ort_genai_model(gguf_path, cache_dir)
         config = og.Config(self.model_dir)
         config.clear_providers()  # CPU
-        if not hasattr(config, "overlay"):
+        if threads and not hasattr(config, "overlay"):
             raise PeerUnavailable(f"onnxruntime-genai {og.__version__} is too old (no Config.overlay): {_ORT_GENAI_HINT}")
         # Threads go into the session options at load time; the cached genai_config.json stays untouched
-        # so one build serves every thread count.
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
+        # so one build serves every thread count. 0 keeps onnxruntime's own default.
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(threads)}}}}))
         self.model = og.Model(config)
         self.configs = ["plain"]
         if self._supports_ngram():
@@ -373,11 +374,13 @@ PEERS = {
 def load_peer(name: str, gguf_path: str, threads: int, cache_dir: str) -> Peer:
     """Load a peer on the GGUF's float32 model; raises PeerUnavailable if its packages are missing.
 
+    `threads` is the intra-op thread count, as for our own runs; 0 leaves the peer's library default.
+
     Loading (and, for ort-genai, the first-time build) is not timed; `generate` is. The bench should warm
     each peer config up the same way it warms up its own runs.
     """
     if name not in PEERS:
         raise GenerationError(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
-    if threads < 1:
-        raise GenerationError(f"threads must be at least 1, got {threads}")
+    if threads < 0:
+        raise GenerationError(f"threads must be 0 (library default) or more, got {threads}")
     return PEERS[name](gguf_path, threads, cache_dir)

@@ -52,6 +52,28 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
     return mapped, tensors
 
 
+def release_pages(maps: list[mmap.mmap]) -> None:
+    """Drop the resident pages of mapped weights files (Linux madvise DONTNEED; a no-op elsewhere).
+
+    Once every session has packed its MatMul/Gemm weights, the raw pages are not read again (onnxruntime
+    keeps the packed copy); what is still read (embedding rows, norms) faults back in from the page cache.
+    Without this the raw weights stay counted in RSS next to their packed copy."""
+    for m in maps:
+        if hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc malloc_trim). Creating a session frees a lot of graph-
+    optimization scratch that glibc would otherwise keep mapped; measured: 18 sessions, -37 MB RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def create_backend(name: str = "cpu", threads: int | None = None):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

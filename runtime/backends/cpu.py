@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
-from . import map_weights, ort_capi
+from . import map_weights, release_pages, trim_heap, ort_capi
 
 
 class CapiBackend:
@@ -36,6 +36,11 @@ class CapiBackend:
             return self._envs[weights_path].create_session(graph_path, prepack=prepack)
         except ort_capi.CapiError as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
+
+    def release_raw_weights(self) -> None:
+        """Call once all sessions exist: their packed weights are what they read now."""
+        release_pages(self._maps)
+        trim_heap()
 
     def close(self) -> None:
         for env in self._envs.values():

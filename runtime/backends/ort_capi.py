@@ -51,7 +51,6 @@ _PP = POINTER(c_void_p)
 _FUNCS = {  # name: (index, restype, argtypes)
     "GetErrorCode": (1, c_int, [_P]),
     "GetErrorMessage": (2, c_char_p, [_P]),
-    "CreateEnv": (3, _S, [c_int, c_char_p, _PP]),
     "Run": (9, _S, [_P, _P, POINTER(c_char_p), _PP, c_size_t, POINTER(c_char_p), c_size_t, _PP]),
     "CreateSessionOptions": (10, _S, [_PP]),
     "SetSessionExecutionMode": (13, _S, [_P, c_int]),
@@ -84,6 +83,7 @@ _FUNCS = {  # name: (index, restype, argtypes)
     "CreateThreadingOptions": (121, _S, [_PP]),
     "ReleaseThreadingOptions": (122, None, [_P]),
     "AddSessionConfigEntry": (130, _S, [_P, c_char_p, c_char_p]),
+    "CreateAndRegisterAllocator": (144, _S, [_P, _P, _P]),
     "SetGlobalIntraOpNumThreads": (147, _S, [_P, c_int]),
     "SetGlobalInterOpNumThreads": (148, _S, [_P, c_int]),
     "AddInitializer": (150, _S, [_P, c_char_p, _P]),
@@ -169,6 +169,7 @@ def _api() -> _Api:
 
 
 _POOL = {"threads": None, "usable": True}  # the process's global intra-op pool: its size, and whether it exists
+_SHARED_ARENA = {"registered": False}  # one CPU arena in the OrtEnv that every session allocates from
 
 
 def _create_env(api: _Api, threads: int | None, out: c_void_p) -> bool:
@@ -191,6 +192,21 @@ def _create_env(api: _Api, threads: int | None, out: c_void_p) -> bool:
     if _POOL["threads"] is None:
         _POOL["threads"] = threads or 0
     return _POOL["usable"] and _POOL["threads"] == (threads or 0)
+
+
+def _share_arena(api: _Api, env: c_void_p, mem_info: c_void_p) -> bool:
+    """Register one CPU arena allocator in the OrtEnv, for sessions created with session.use_env_allocators.
+
+    Each session otherwise keeps an arena sized to its own peak activations; a bundle's sessions run one at
+    a time, so one shared arena (sized to the largest step) holds what twenty private ones would."""
+    if not _SHARED_ARENA["registered"]:
+        try:
+            api.CreateAndRegisterAllocator(env, mem_info, None)  # NULL arena config: ORT's defaults
+        except CapiError as e:
+            if "already" not in str(e).lower():  # registered earlier in this process: fine
+                raise
+        _SHARED_ARENA["registered"] = True
+    return True
 
 
 def available() -> bool:
@@ -240,6 +256,7 @@ class Env:
             self._global_pool = _create_env(api, threads, self._env)
             api.CreatePrepackedWeightsContainer(byref(self._container))
             api.CreateCpuMemoryInfo(_ORT_ARENA_ALLOCATOR, _ORT_MEM_TYPE_DEFAULT, byref(self._mem_info))
+            self._shared_arena = _share_arena(api, self._env, self._mem_info)
         except BaseException:
             self.close()
             raise
@@ -287,6 +304,8 @@ class Env:
                 api.SetInterOpNumThreads(options, 1)
                 # Private pools of sessions that run in turn would spin against each other on a few cores.
                 api.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0")
+            if self._shared_arena:
+                api.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1")
             api.SetSessionExecutionMode(options, _ORT_SEQUENTIAL)
             api.SetSessionGraphOptimizationLevel(options, _OPT_LEVELS[optimization_level])
             if not prepack:

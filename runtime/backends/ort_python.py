@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
-from . import map_weights
+from . import map_weights, release_pages, trim_heap
 
 _PROVIDERS = {
     "ort": ["CPUExecutionProvider"],
@@ -45,6 +45,11 @@ class OrtSession:
 
     def run(self) -> None:
         self._session.run_with_iobinding(self._binding)
+
+    def release_raw_weights(self) -> None:
+        """Call once all sessions exist: their packed weights are what they read now."""
+        release_pages(self._maps)
+        trim_heap()
 
     def close(self) -> None:
         self._binding = self._keep = self._session = None
