@@ -97,8 +97,9 @@ class ModelEntry:
     def buckets(self) -> list[int]:
         return sorted({g.context for g in self.graphs})
 
-    def prefill_tokens(self) -> int | None:
-        return max((g.tokens for g in self.graphs if g.role == C.PREFILL), default=None)
+    def prefill_tokens(self) -> list[int]:
+        """The token counts of the prefill graphs, largest first (the chunk, then smaller tail sizes)."""
+        return sorted({g.tokens for g in self.graphs if g.role == C.PREFILL}, reverse=True)
 
     def to_json(self) -> dict:
         d = {"family": self.family, **self.dims.to_json(), "weights": self.weights,

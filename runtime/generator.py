@@ -107,12 +107,11 @@ class Generator:
         """Create the sessions this run can touch now, so a broken graph fails before any output and no
         session is created inside a timed round: every target graph (a prefill tail or a short proposal may
         use any step size), and the draft's graphs when it drafts. Sessions are kept for later runs."""
-        chunk = self.manifest.target.prefill_tokens()
-        prefill = [(C.PREFILL, chunk)] if chunk else []
+        prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         self.target.warm(prefill + [(C.STEP, t) for t in self.manifest.target.step_tokens()])
         if proposer == "draft":
-            draft_chunk = self.manifest.draft.prefill_tokens()
-            self.draft.warm(([(C.PREFILL, draft_chunk)] if draft_chunk else []) + [(C.STEP, 1), (C.STEP, 2)])
+            prefill = [(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
+            self.draft.warm(prefill + [(C.STEP, 1), (C.STEP, 2)])
         if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
             self.backend.release_raw_weights()  # new sessions packed their weights: the raw pages can go
             self._sessions_seen = (self.target.sessions, self.draft.sessions if self.draft else 0)
@@ -143,7 +142,7 @@ class Generator:
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
         drafter = self._proposer(proposer, ngram)
-        length = DraftLength(gamma if proposer != "none" else 0, adaptive)
+        length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 

@@ -87,19 +87,20 @@ class ModelRunner:
         return min(fits) if fits else None
 
     def _prefill_plan(self, remaining: int) -> tuple[str, int]:
-        """Full prefill chunks first; a short tail goes through the smallest step graph that holds it (its
-        LM head is cheap at a few rows), a longer one through a padded chunk."""
-        chunk, steps = self.entry.prefill_tokens(), self.entry.step_tokens()
-        chunk_fits = chunk is not None and chunk <= self.cache.free
-        if chunk_fits and (remaining >= chunk or remaining > max(steps)):
+        """Full prefill chunks first; a tail goes through the smallest graph that holds it (a half-size
+        prefill graph, or a step graph, whose LM head is cheap at a few rows), padding the rest."""
+        free = self.cache.free
+        sizes = [(t, C.PREFILL) for t in self.entry.prefill_tokens() if t <= free]
+        sizes += [(t, C.STEP) for t in self.entry.step_tokens() if t <= free]
+        if not sizes:
+            raise ValueError("cache full")
+        chunk = max((t for t, role in sizes if role == C.PREFILL), default=0)
+        if chunk and remaining >= chunk:
             return C.PREFILL, chunk
-        t = self.step_graph_for(remaining)
-        if t is None:  # near the end of the cache: the largest graph that fits, then loop
-            fits = [t for t in steps if t <= self.cache.free]
-            if not fits:
-                raise ValueError("cache full")
-            t = max(fits)
-        return C.STEP, t
+        holding = [(t, role) for t, role in sizes if t >= remaining]
+        # The smallest graph that holds the rest; near the end of the cache, the largest that fits.
+        t, role = min(holding) if holding else max(sizes)
+        return role, t
 
     # -- running -------------------------------------------------------------------------------------
     def _bucket_for(self, role: str, T: int, n: int) -> int:

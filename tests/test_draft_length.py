@@ -35,3 +35,12 @@ def test_fixed_gamma_ignores_history():
     for _ in range(10):
         d.update(4, 0)
     assert d.next() == 4
+
+
+def test_free_drafts_keep_gamma_but_still_pause():
+    d = DraftLength(8, shrink=False, patience=2)
+    d.update(8, 3)
+    assert d.next() == 8
+    d.update(8, 0)
+    d.update(8, 0)
+    assert [d.next() for _ in range(3)] == [0, 0, 8]

@@ -96,7 +96,7 @@ def test_export_cli_writes_a_bundle(tiny_models, tmp_path):
     r = specedge("export", "--target", tiny_models["llama"][0], "--out", str(out), "--context", "64",
                  "--prefill-chunk", "16", "--gamma", "2,4", "--quiet")
     assert r.returncode == 0, r.stderr
-    assert sorted(g.tokens for g in load_manifest(str(out)).target.graphs) == [1, 3, 5, 16]
+    assert sorted(g.tokens for g in load_manifest(str(out)).target.graphs) == [1, 3, 5, 8, 16]  # 8: the tail chunk
     assert leftovers(tmp_path) == []
     r = specedge("export", "--target", tiny_models["llama"][0], "--out", str(out), "--quiet")
     assert r.returncode == 2 and "exists" in r.stderr and "--force" in r.stderr
