@@ -215,10 +215,13 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             q = g.op("Transpose", g.op("Reshape", q, g.ints(B, T, Hkv, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", q, g.ints(B, Hkv, T * rep, D))
 
-    def from_rows(x):  # [B, Hkv, T*rep, D] -> [B, T, H*D]
+    def from_rows(x):  # [B, Hkv, T*rep, D] -> [B*T, H*D]
         if T > 1:
             x = g.op("Transpose", g.op("Reshape", x, g.ints(B, Hkv, T, rep, D)), perm=[0, 2, 1, 3, 4])
-        return g.op("Reshape", x, g.ints(B, T, H * D))
+        return g.op("Reshape", x, g.ints(B * T, H * D))
+
+    def linear(x, weight):  # [B*T, in] @ [in, out]; MatMul beat Gemm in place, at 1 and at 9 rows
+        return g.op("MatMul", x, g.weight(weight))
 
     def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
         if T > 1:
@@ -254,11 +257,12 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     swap[np.arange(half), np.arange(half) + half] = 1  # output i >= D/2 takes x[i - D/2]
     swap = g.const(swap)
 
-    x = g.op("Gather", g.weight("embed"), input_ids, axis=0)  # [B, T, E]
+    # The residual stream is 2-D, [B*T, E]: every weight product is a plain 2-D MatMul or Gemm.
+    x = g.op("Reshape", g.op("Gather", g.weight("embed"), input_ids, axis=0), g.ints(B * T, E))
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
         h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt)
-        qkv = g.op("MatMul", h, g.weight(p + "qkv"))
+        qkv = linear(h, p + "qkv")
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
         qkv = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D))
@@ -279,17 +283,17 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         probs = g.op("Softmax", scores, axis=-1)
         probs_past, probs_step = g.op("Split", probs, g.ints(S, T), axis=-1, outputs=2)
         attn = g.op("Add", g.op("MatMul", probs_past, past_v), g.op("MatMul", probs_step, new_v))
-        x = g.op("Add", x, g.op("MatMul", from_rows(attn), g.weight(p + "o")))
+        x = g.op("Add", x, linear(from_rows(attn), p + "o"))
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt)
-        gate, up = g.op("Split", g.op("MatMul", h, g.weight(p + "gate_up")), axis=-1, outputs=2)
+        gate, up = g.op("Split", linear(h, p + "gate_up"), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        x = g.op("Add", x, g.op("MatMul", act, g.weight(p + "down")))
+        x = g.op("Add", x, linear(act, p + "down"))
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt)
         head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
-        logits = g.op("Gemm", g.op("Reshape", h, g.ints(B * T, E)), head, transB=1)  # [B*T, V]
+        logits = g.op("Gemm", h, head, transB=1)  # [B*T, V]
         if dt == "float32":
             g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=C.LOGITS)
         else:  # the contract's logits are float32
