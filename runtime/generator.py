@@ -104,14 +104,15 @@ class Generator:
         return NoProposer()
 
     def _warm(self, proposer: str, gamma: int) -> None:
-        """Create the sessions this run can touch now, so a broken graph fails before any output and no
-        session is created inside a timed round: every target graph (a prefill tail or a short proposal may
-        use any step size), and the draft's graphs when it drafts. Sessions are kept for later runs."""
+        """Choose and create the sessions this run uses, so a broken graph fails before any output and no
+        session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
+        (shorter proposals pad into it), and the draft's graphs when it drafts. Sessions are kept."""
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
-        self.target.warm(prefill + [(C.STEP, t) for t in self.manifest.target.step_tokens()])
+        steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
+        self.target.warm(prefill + [(C.STEP, t) for t in steps])
         if proposer == "draft":
             prefill = [(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
-            self.draft.warm(prefill + [(C.STEP, 1), (C.STEP, 2)])
+            self.draft.warm(prefill + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
         if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
             self.backend.release_raw_weights()  # new sessions packed their weights: the raw pages can go
             self._sessions_seen = (self.target.sessions, self.draft.sessions if self.draft else 0)

@@ -50,6 +50,7 @@ class ModelRunner:
         self._dir = bundle_dir
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}
+        self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
 
@@ -81,9 +82,16 @@ class ModelRunner:
                     self._step(role, tokens, context)
 
     # -- graph choice --------------------------------------------------------------------------------
+    def use_steps(self, sizes: list[int] | None) -> list[int]:
+        """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a
+        run loads the few it needs (T=1 and T=gamma+1) and pads shorter steps into them."""
+        available = self.entry.step_tokens()
+        self._step_sizes = sorted(set(sizes) & set(available)) if sizes is not None else available
+        return self._step_sizes
+
     def step_graph_for(self, n: int) -> int | None:
-        """The smallest step graph that holds n tokens and fits in the free cache slots."""
-        fits = [t for t in self.entry.step_tokens() if n <= t <= self.cache.free]
+        """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
+        fits = [t for t in self._step_sizes if n <= t <= self.cache.free]
         return min(fits) if fits else None
 
     def _prefill_plan(self, remaining: int) -> tuple[str, int]:
@@ -91,7 +99,7 @@ class ModelRunner:
         prefill graph, or a step graph, whose LM head is cheap at a few rows), padding the rest."""
         free = self.cache.free
         sizes = [(t, C.PREFILL) for t in self.entry.prefill_tokens() if t <= free]
-        sizes += [(t, C.STEP) for t in self.entry.step_tokens() if t <= free]
+        sizes += [(t, C.STEP) for t in self._step_sizes if t <= free]
         if not sizes:
             raise ValueError("cache full")
         chunk = max((t for t, role in sizes if role == C.PREFILL), default=0)

@@ -193,8 +193,11 @@ def _run_bench(a) -> int:
     print(render_table(result["rows"]))
     print()
     print(render_round_breakdown(result["rows"]))
+    mem = result["memory"]
+    peak = (f"peak RSS {mem['peak_rss_mb']} MB = {mem['ratio']}x (weights {mem['weights_mb']} MB + KV caches "
+            f"{mem['cache_mb']} MB)" if "peak_rss_mb" in mem else "peak RSS not measured (peers share the process)")
     print(f"\n{result['machine']}; threads {a.threads}; {a.max_new_tokens} new tokens; median of {a.repeats}; "
-          f"{result['seconds']} s")
+          f"{result['seconds']} s; {peak}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -93,13 +93,25 @@ def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.total_ms)[len(runs) // 2]
 
 
-def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
+def _same_output(tokens: list[int], reference: list[int] | None, stop_ids: set[int], peer: bool) -> bool:
+    """Token for token equal to plain decode. Peers are made to generate exactly N tokens by suppressing
+    EOS (min_new_tokens), which changes their argmax where ours is EOS: for them, compare up to it."""
+    if reference is None:
+        return False
+    if peer:
+        cut = next((i for i, t in enumerate(reference) if t in stop_ids), len(reference))
+        return tokens[:cut] == reference[:cut]
+    return tokens == reference
+
+
+def summarize(runs: list[Run], configs: list[Config], stop_ids: set[int] = frozenset()) -> list[dict]:
     """One row per (configuration, prompt kind): throughput over the kind's prompts and medians."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         by_key.setdefault((r.config, r.prompt), []).append(r)
     medians = [_median_run(v) for v in by_key.values()]
     reference = {m.prompt: m.tokens for m in medians if m.config == "none"}
+    peers = {c.name for c in configs if c.peer}
     rows = []
     kinds = sorted({m.kind for m in medians}) + ["all"]
     for kind in kinds:
@@ -136,7 +148,8 @@ def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
                 "draft_ms_per_round": sum(m.draft_ms for m in ms) / rounds if rounds else None,
                 "verify_ms_per_round": sum(m.verify_ms for m in ms) / rounds if rounds else None,
                 "commit_ms_per_round": sum(m.commit_ms for m in ms) / rounds if rounds else None,
-                "identical": sum(m.tokens == reference.get(m.prompt) for m in ms),
+                "identical": sum(_same_output(m.tokens, reference.get(m.prompt), stop_ids, c.name in peers)
+                                 for m in ms),
             })
     return rows
 
@@ -261,6 +274,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
 
     for c in configs:  # warm-up: sessions created, first-run allocations done, before anything is timed
         run_once(c, prompts[0], 8)
+    rss_reset = _reset_peak_rss()
     bar = _Bar(repeats * len(prompts) * len(configs))
     runs = []
     started = time.time()
@@ -272,8 +286,9 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
                     bar.step(f"{prompt['id']} {c.name}")
     finally:
         bar.close()
-    rows = summarize(runs, configs)
-    return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats,
+    rows = summarize(runs, configs, set(gen.eos_ids))
+    memory = _memory(gen, rss_reset and not peers)
+    return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats, "memory": memory,
             "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
             "configs": [c.name for c in configs], "machine": _machine(), "seconds": round(time.time() - started),
             "rows": rows, "runs": [r.__dict__ for r in runs]}
@@ -313,6 +328,27 @@ def _cache_dir() -> str:
     from .demo import cache_dir
 
     return cache_dir()
+
+
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (Linux), so the peak covers the timed runs only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _memory(gen, measured: bool) -> dict:
+    """Peak RSS of the timed runs against the bytes that must be resident: weights plus KV caches."""
+    weights = sum(os.path.getsize(os.path.join(gen.bundle_dir, w)) for w in {m.weights for m in gen.manifest.models.values()})
+    cache = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft else 0)
+    out = {"weights_mb": round(weights / 2**20, 1), "cache_mb": round(cache / 2**20, 1)}
+    if measured:
+        peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
+        out.update(peak_rss_mb=round(peak, 1), ratio=round(peak / ((weights + cache) / 2**20), 2))
+    return out
 
 
 def _machine() -> str:

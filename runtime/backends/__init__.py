@@ -77,9 +77,9 @@ def trim_heap() -> None:
 def create_backend(name: str = "cpu", threads: int | None = None):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:  # found, not imported: the C API path needs no Python API
         raise BackendError("onnxruntime is not installed: pip install onnxruntime") from None
     if name == "cpu":
         from . import ort_capi
