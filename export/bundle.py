@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from ..graphs.builder import GraphBuilder
 from ..graphs.manifest import (GraphEntry, Manifest, ModelEntry, TokenizerEntry, WeightRef, graph_file,
                                read_index, weights_file, weights_index_file, write_index)
 from ..errors import ExportError
+from ..progress import Progress
 from .sources import Source, open_source
 from .weights import write_weights
 
@@ -91,29 +91,6 @@ def default_buckets(context: int, prefill_chunk: int) -> list[int]:
     return buckets + [context]
 
 
-class _Progress:
-    """tqdm when it is installed and stderr is a terminal-ish stream; a plain counter otherwise."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        self.enabled = enabled
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc="export", unit="step", file=sys.stderr, leave=True)
-            except ImportError:
-                pass
-
-    def update(self, what: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(what[-40:], refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def check_vocab(target: Source, draft: Source) -> dict:
     """A draft must tokenize like the target: the same token for every id both know."""
     tv, dv = target.config.vocab_size, draft.config.vocab_size
@@ -141,7 +118,7 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
 
 
 def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, steps: list[int],
-                  progress: _Progress, shared: tuple[str, dict[str, WeightRef]] | None = None,
+                  progress: Progress, shared: tuple[str, dict[str, WeightRef]] | None = None,
                   num_layers: int | None = None) -> ModelEntry:
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
@@ -205,7 +182,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     n_prefill = len(opts.prefill_sizes())
     n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps())
                                       + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0))
-    bar = _Progress(n_weights + n_graphs, progress)
+    bar = Progress(n_weights + n_graphs, "export", "step", progress)
     started = time.time()
     try:
         models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar)}

@@ -195,7 +195,9 @@ def _run_bench(a) -> int:
     print(render_round_breakdown(result["rows"]))
     mem = result["memory"]
     peak = (f"peak RSS {mem['peak_rss_mb']} MB = {mem['ratio']}x (weights {mem['weights_mb']} MB + KV caches "
-            f"{mem['cache_mb']} MB)" if "peak_rss_mb" in mem else "peak RSS not measured (peers share the process)")
+            f"{mem['cache_mb']} MB); at the end {mem['private_mb']} MB private ({mem['private_ratio']}x) + "
+            f"{mem['file_backed_mb']} MB file-backed" if "peak_rss_mb" in mem
+            else "peak RSS not measured (peers share the process)")
     print(f"\n{result['machine']}; threads {a.threads}; {a.max_new_tokens} new tokens; median of {a.repeats}; "
           f"{result['seconds']} s; {peak}")
     if a.json:

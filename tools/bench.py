@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
 from ..errors import SpecedgeError
+from ..progress import Progress
 
 
 class BenchError(SpecedgeError):
@@ -216,24 +216,6 @@ def write_plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-class _Bar:
-    def __init__(self, total: int):
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
-        except ImportError:
-            self.bar = None
-
-    def step(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(text[-40:], refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list[int], repeats: int = 3,
               max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
               kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
@@ -275,7 +257,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     for c in configs:  # warm-up: sessions created, first-run allocations done, before anything is timed
         run_once(c, prompts[0], 8)
     rss_reset = _reset_peak_rss()
-    bar = _Bar(repeats * len(prompts) * len(configs))
+    bar = Progress(repeats * len(prompts) * len(configs), "bench", "run")
     runs = []
     started = time.time()
     try:
@@ -283,7 +265,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
             for prompt in prompts:
                 for c in configs:
                     runs.append(run_once(c, prompt, max_new_tokens))
-                    bar.step(f"{prompt['id']} {c.name}")
+                    bar.update(f"{prompt['id']} {c.name}")
     finally:
         bar.close()
     rows = summarize(runs, configs, set(gen.eos_ids))
@@ -346,8 +328,14 @@ def _memory(gen, measured: bool) -> dict:
     cache = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft else 0)
     out = {"weights_mb": round(weights / 2**20, 1), "cache_mb": round(cache / 2**20, 1)}
     if measured:
-        peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
-        out.update(peak_rss_mb=round(peak, 1), ratio=round(peak / ((weights + cache) / 2**20), 2))
+        status = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/status")
+                  if line.startswith(("VmHWM", "RssAnon", "RssFile"))}
+        base = (weights + cache) / 2**20
+        # File-backed pages are clean page cache (shared, reclaimable): mostly embedding rows that the
+        # kernel maps 64 KB at a time around each Gather, and the libraries. Private memory is the rest.
+        out.update(peak_rss_mb=round(status["VmHWM"], 1), ratio=round(status["VmHWM"] / base, 2),
+                   private_mb=round(status["RssAnon"], 1), private_ratio=round(status["RssAnon"] / base, 2),
+                   file_backed_mb=round(status["RssFile"], 1))
     return out
 
 

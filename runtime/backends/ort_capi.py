@@ -240,7 +240,23 @@ def _check_array(kind: str, name: str, arr, dtype: str | None = None, shape: tup
         raise ValueError(f"{kind} {name!r}: shape {arr.shape}, the model wants {shape} (-1 = any)")
 
 
-class Env:
+class _Closable:
+    """Context manager and finalizer around close(), which must be idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: ctypes may already be gone
+            pass
+
+
+class Env(_Closable):
     """One OrtEnv and one OrtPrepackedWeightsContainer; the weights and packed weights its sessions share.
 
     ORT keeps a single refcounted OrtEnv per process (CreateEnv hands every Env the same one), so Envs differ only
@@ -280,7 +296,6 @@ class Env:
         """A session over `model_path` whose initializers come from add_weights() wherever the names match (ORT
         ignores registered names the model lacks) and whose packed weights live in this Env's container."""
         self._check_open()
-        api = self._api
         if optimization_level not in _OPT_LEVELS:
             raise ValueError(f"optimization_level must be one of {sorted(_OPT_LEVELS)}, got {optimization_level!r}")
         try:
@@ -334,20 +349,9 @@ class Env:
                 release(handle)
                 handle.value = None
 
-    def __enter__(self) -> Env:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: ctypes may already be gone
-            pass
 
 
-class Session:
+class Session(_Closable):
     """One ORT session with caller-owned input/output buffers bound once (see bind) and run in place."""
 
     def __init__(self, env: Env, handle: c_void_p):
@@ -442,14 +446,3 @@ class Session:
         self._unbind()
         self._env._sessions.discard(self)
 
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
