@@ -1,0 +1,73 @@
+"""specedge bench: its table and JSON on a tiny bundle, and clear errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "specedge", "bench", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"id": "copy", "kind": "grounded", "messages": [{"role": "user", "content": "t5 t6 t7 t5 t6 t7 t5 t6"}]},
+             {"id": "free", "kind": "open", "messages": [{"role": "user", "content": "t9 t8"}]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return str(path)
+
+
+def test_bench_table_json_and_plot(tiny_bundle, prompts, tmp_path):
+    out, plot = tmp_path / "b.json", tmp_path / "b.png"
+    r = bench(tiny_bundle, "--prompts", prompts, "--gamma", "2,4", "--repeats", "2", "--max-new-tokens", "12",
+              "--json", str(out), "--plot", str(plot))
+    assert r.returncode == 0, r.stderr
+    for config in ("none", "ngram g=2", "ngram g=4", "draft g=2", "draft g=4"):
+        assert f"| grounded | {config} |" in r.stdout and f"| open | {config} |" in r.stdout
+    assert "draft ms/round" in r.stdout and "peak RSS" in r.stdout
+    result = json.load(open(out))
+    assert len(result["runs"]) == 2 * 2 * 5  # repeats x prompts x configurations
+    rows = {(row["config"], row["kind"]): row for row in result["rows"]}
+    assert all(row["identical"] == row["prompts"] for row in result["rows"])  # greedy: same tokens everywhere
+    assert rows[("none", "all")]["speedup"] == pytest.approx(1.0)
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "prompts file not found"),
+    ("this is not json\n", "not JSON"),
+    ("\n\n", "holds no prompts"),
+    ('{"id": "x"}\n', "expected an object with \\\"messages\\\""),
+])
+def test_bad_prompt_files(tiny_bundle, tmp_path, content, expected):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    r = bench(tiny_bundle, "--prompts", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert expected.replace("\\", "") in r.stderr
+
+
+def test_compare_with_a_missing_peer_names_the_extra(tiny_bundle, prompts, tiny_models):
+    block = ("import sys\nclass B:\n    def find_spec(self, n, p=None, t=None):\n"
+             "        if n.split('.')[0] == 'onnxruntime_genai': raise ImportError('blocked')\n"
+             "sys.meta_path.insert(0, B())\nfrom specedge.cli import main\n"
+             f"sys.exit(main(['bench', {tiny_bundle!r}, '--prompts', {prompts!r}, '--compare', 'ort-genai', "
+             f"'--peer-model', {tiny_models['llama'][0]!r}]))")
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "onnxruntime-genai" in r.stderr and "specedge[peers]" in r.stderr
+
+
+def test_unknown_peer_and_missing_draft(tiny_bundle, prompts, tiny_models, tmp_path):
+    r = bench(tiny_bundle, "--prompts", prompts, "--compare", "vllm")
+    assert r.returncode == 2 and "--compare takes transformers, ort-genai" in r.stderr
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "nodraft")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=16, gammas=(4,)),
+                  progress=False)
+    r = bench(out, "--prompts", prompts, "--proposers", "ngram,draft", "--gamma", "4")
+    assert r.returncode == 2 and "needs a bundle with a draft model" in r.stderr
