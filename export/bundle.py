@@ -81,14 +81,11 @@ class ExportOptions:
 
 
 def default_buckets(context: int, prefill_chunk: int) -> list[int]:
-    """Powers of two from 256 (or the prefill chunk, if larger) up to the context: attention over a short
-    cache then reads a short past, at the price of more (small) graph files."""
-    buckets, b = [], 256
-    while b < context:
-        if b >= prefill_chunk:
-            buckets.append(b)
-        b *= 2
-    return buckets + [context]
+    """Four past lengths, evenly spaced up to the context (and no finer than 256 slots): attention over a
+    padded past costs about as much as over a full one (SmolLM2 T=1 step, 2 cores: 24 ms at 256 slots,
+    32 ms at 1024), so a cache attends over the smallest bucket that holds it."""
+    step = max(256, prefill_chunk, -(-context // 4))
+    return [b for b in range(step, context, step)] + [context]
 
 
 def check_vocab(target: Source, draft: Source) -> dict:
