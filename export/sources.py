@@ -279,27 +279,55 @@ class GGUFSource(Source):
         return w
 
     def tokenizer(self) -> TokenizerInfo:
-        files = {}
+        eos = self._field("tokenizer.ggml.eos_token_id", None)
+        bos = self._field("tokenizer.ggml.bos_token_id", None)
+        add_bos = self._field("tokenizer.ggml.add_bos_token", True)
+        template = self._field("tokenizer.chat_template", None)
+        files = {"tokenizer.json": self._tokenizer_json()}
+        return TokenizerInfo(bos_id=bos if add_bos else None, eos_ids=[] if eos is None else [int(eos)],
+                             chat_template=template, files=files)
+
+    def _tokenizer_json(self) -> bytes:
+        """A tokenizer.json built from the GGUF's tokenizer metadata by transformers' own GGUF converter.
+
+        transformers' public path (AutoTokenizer with gguf_file) imports torch to read the file; we read the
+        metadata with `gguf` and call the converter directly, so exporting needs no torch."""
+        try:
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                               convert_gguf_tokenizer)
+        except ImportError:
+            return self._tokenizer_json_via_auto()
+        tokenizer_dict = {}
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+            value = self._field(f"tokenizer.{key}", None)
+            if value is not None:
+                tokenizer_dict[name] = value
+        try:
+            backend, _ = convert_gguf_tokenizer(self.arch, tokenizer_dict)
+        except Exception as e:  # an unknown tokenizer type: name it
+            raise ExportError(f"{self.path}: cannot build a tokenizer from its GGUF metadata "
+                              f"({tokenizer_dict.get('tokenizer_type')}): {e}") from None
+        return backend.to_str().encode()
+
+    def _tokenizer_json_via_auto(self) -> bytes:
+        """Older transformers: AutoTokenizer reads the GGUF (and needs torch for it)."""
+        import logging
+        import tempfile
+
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise ExportError("building a tokenizer from GGUF needs transformers: pip install 'specedge[export]'") from None
-        import tempfile
-        import logging
         logging.getLogger("transformers").setLevel(logging.ERROR)
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(self.path)), gguf_file=os.path.basename(self.path))
+        try:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(self.path)),
+                                                gguf_file=os.path.basename(self.path))
+        except ImportError as e:
+            raise ExportError(f"this transformers reads GGUF tokenizers through torch: pip install torch ({e})") from None
         with tempfile.TemporaryDirectory() as d:
             tok.save_pretrained(d)
-            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                p = os.path.join(d, name)
-                if os.path.isfile(p):
-                    with open(p, "rb") as f:
-                        files[name] = f.read()
-        eos = self._field("tokenizer.ggml.eos_token_id", None)
-        bos = self._field("tokenizer.ggml.bos_token_id", None)
-        add_bos = self._field("tokenizer.ggml.add_bos_token", True)
-        return TokenizerInfo(bos_id=bos if add_bos else None, eos_ids=[] if eos is None else [int(eos)],
-                             chat_template=self._field("tokenizer.chat_template", None), files=files)
+            with open(os.path.join(d, "tokenizer.json"), "rb") as f:
+                return f.read()
 
     def vocab_tokens(self) -> list[str] | None:
         f = self._field_raw("tokenizer.ggml.tokens")

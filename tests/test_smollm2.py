@@ -95,3 +95,14 @@ def test_demo_runs_to_its_table(tmp_path, smollm2_path):
     again = subprocess.run([sys.executable, "-m", "specedge", "demo", "--max-new-tokens", "8"], capture_output=True,
                            text=True, env=env)
     assert again.returncode == 0 and "exporting" not in again.stderr  # the cached bundle is reused
+
+
+def test_gguf_tokenizer_matches_transformers(smol, smollm2_path):
+    """The bundle's tokenizer.json, built from the GGUF metadata without torch, tokenizes like transformers'
+    AutoTokenizer on the same file."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+    for text in ("Hello world!", "<|im_start|>user\nRename x  to y:\n\tdef f(x):\n        return x+1<|im_end|>",
+                 "12345 café 日本語 🙂", "  leading spaces", "a\n\n\nb"):
+        assert smol.tokenizer._tok.encode(text, add_special_tokens=False).ids == ref(text, add_special_tokens=False)["input_ids"]
