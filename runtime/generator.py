@@ -26,7 +26,8 @@ from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength
 from .model import ModelRunner
-from .proposers import DraftModelProposer, NgramProposer, NoProposer, Sampler
+from .kv_cache import SharedKVCache
+from .proposers import DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
@@ -48,7 +49,10 @@ class Generator:
         self.manifest = manifest
         self.backend = backend
         self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
-        self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend) if manifest.draft else None
+        self.draft = None
+        if manifest.draft:
+            shares = self.target if _shares_target_cache(manifest) else None
+            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares)
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)
@@ -65,6 +69,11 @@ class Generator:
             index = read_index(os.path.join(bundle, weights_index_file(weights)))
             engine.add_weights_file(os.path.join(bundle, weights), index)
         return cls(bundle, manifest, engine)
+
+    @property
+    def draft_shares_cache(self) -> bool:
+        """Whether the draft reads the target's cache (a layer draft) instead of keeping its own."""
+        return self.draft is not None and isinstance(self.draft.cache, SharedKVCache)
 
     def close(self) -> None:
         self.target.close()
@@ -98,7 +107,7 @@ class Generator:
 
     def _proposer(self, name: str, ngram: tuple[int, int]):
         if name == "draft":
-            return DraftModelProposer(self.draft)
+            return LayerDraftProposer(self.draft) if self.draft_shares_cache else DraftModelProposer(self.draft)
         if name == "ngram":
             return NgramProposer(*ngram)
         return NoProposer()
@@ -110,7 +119,9 @@ class Generator:
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
         self.target.warm(prefill + [(C.STEP, t) for t in steps])
-        if proposer == "draft":
+        if proposer == "draft" and self.draft_shares_cache:
+            self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])  # no prefill, no catch-up
+        elif proposer == "draft":
             prefill = [(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
             self.draft.warm(prefill + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
         if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
@@ -163,6 +174,8 @@ class Generator:
                 break
             t0 = time.perf_counter()
             k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
+            if k:
+                target.reserve(k + 1)  # the verify step's bucket, chosen before a cache-sharing draft runs
             proposal = drafter.propose(context, k, sampler)
             t1 = time.perf_counter()
             base = target.cache.used
@@ -209,6 +222,12 @@ class Generator:
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)
+
+
+def _shares_target_cache(manifest: Manifest) -> bool:
+    draft, target = manifest.draft, manifest.target
+    return draft.layers_of == "target" and SharedKVCache.compatible(draft.dims, target.dims, draft.buckets(),
+                                                                     target.buckets())
 
 
 def _check_vocab(manifest: Manifest) -> None:

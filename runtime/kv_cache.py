@@ -9,6 +9,9 @@ and the graphs mask them out.
 Context buckets: a bundle has graphs for several past lengths (say 256, 512, 768, 1024), and a step attends over
 the smallest bucket that holds the cache. When the cache outgrows its bucket, its valid entries are copied
 once into the next bucket's buffers (at most once per bucket per generation, never per step).
+
+A draft cut from the target's first N layers (`layers_of: "target"` in the manifest) owns no buffers: its
+`SharedKVCache` is the target's first N layers with a `cache_len` of its own (see that class).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ class KVCache:
         self.buckets = sorted(set(buckets or []) | {dims.context})
         self.length = np.zeros(dims.batch, dtype=np.int64)  # bound as `cache_len` in every graph
         self._buffers: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        self.bucket = self.buckets[0]
+        self._bucket = self.buckets[0]
         self.promotions = 0  # bucket changes, for the stats
 
     def buffers(self, bucket: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -34,6 +37,11 @@ class KVCache:
             self._buffers[bucket] = ([np.zeros(shape, dtype) for _ in range(d.num_layers)],
                                      [np.zeros(shape, dtype) for _ in range(d.num_layers)])
         return self._buffers[bucket]
+
+    @property
+    def bucket(self) -> int:
+        """The active context bucket: the past length the next step attends over."""
+        return self._bucket
 
     @property
     def keys(self) -> list[np.ndarray]:
@@ -66,7 +74,7 @@ class KVCache:
         new_k, new_v = self.buffers(bucket)
         for src, dst in zip(old_k + old_v, new_k + new_v):
             dst[:, :, :n] = src[:, :, :n]
-        self.bucket = bucket
+        self._bucket = bucket
         self.promotions += 1
 
     def append(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], n: int) -> None:
@@ -89,8 +97,63 @@ class KVCache:
     def reset(self) -> None:
         """An empty cache in the smallest bucket (for a new generation)."""
         self.length[:] = 0
-        self.bucket = self.buckets[0]
+        self._bucket = self.buckets[0]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for k, v in self._buffers.values() for a in k + v)
+
+
+class SharedKVCache(KVCache):
+    """A layer draft's cache: the target's K/V buffers of its first N layers, and a cache_len of its own.
+
+    Why: for every committed token, a draft made of the target's first N layers computes exactly the K/V
+    the target already stored for those layers. Reading the target's buffers removes the draft's prefill
+    (its share of TTFT), its catch-up steps and its cache memory. Each round the draft starts at the
+    target's valid length and writes its proposals' K/V after it; the target's verify step then rewrites
+    those slots with its own K/V before anything reads them, so the target never sees a draft entry.
+
+    The bucket is the target's: the loop moves the target to the bucket its verify step needs before the
+    draft runs (`ModelRunner.reserve`), so the bucket never changes while draft entries sit past the
+    target's valid length (a promotion copies only valid entries).
+    """
+
+    def __init__(self, dims: ModelDims, parent: KVCache):
+        super().__init__(dims, parent.buckets)
+        if dims.num_layers > parent.dims.num_layers:
+            raise ValueError(f"a {dims.num_layers}-layer draft cannot share a {parent.dims.num_layers}-layer cache")
+        self.parent = parent
+
+    @property
+    def bucket(self) -> int:
+        return self.parent.bucket
+
+    def buffers(self, bucket: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        keys, values = self.parent.buffers(bucket)
+        return keys[: self.dims.num_layers], values[: self.dims.num_layers]
+
+    def use_bucket(self, bucket: int) -> None:
+        if bucket == self.parent.bucket:
+            return
+        if self.used > self.parent.used:  # draft entries past the target's valid ones would be lost
+            raise RuntimeError("a shared draft cache cannot change bucket in the middle of a round")
+        self.parent.use_bucket(bucket)
+
+    def follow(self) -> None:
+        """Start a round at the target's valid length (every committed token but the pending one)."""
+        self.length[:] = self.parent.length
+
+    def reset(self) -> None:
+        self.length[:] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the buffers are the target's
+
+    @staticmethod
+    def compatible(draft: ModelDims, target: ModelDims, draft_buckets: list[int], target_buckets: list[int]) -> bool:
+        """Whether a layer draft's graphs can read the target's buffers as they are."""
+        same = ("batch", "num_kv_heads", "head_dim", "context", "dtype")
+        return (all(getattr(draft, f) == getattr(target, f) for f in same)
+                and draft.num_layers <= target.num_layers
+                and sorted(set(draft_buckets) | {draft.context}) == sorted(set(target_buckets) | {target.context}))

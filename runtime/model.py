@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import BackendError, BundleError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SharedKVCache
 
 
 class _Step:
@@ -42,11 +42,12 @@ class _Step:
 
 
 class ModelRunner:
-    def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend):
+    def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None):
+        """`shares`: the target, for a draft cut from its first layers that reads the target's cache."""
         self.name = name
         self.entry = entry
         self.dims = entry.dims
-        self.cache = KVCache(entry.dims, entry.buckets())
+        self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
         self._dir = bundle_dir
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}
@@ -130,6 +131,12 @@ class ModelRunner:
         self.graph_runs += 1
         self.cache.append(step.new_keys, step.new_values, n)
         return step
+
+    def reserve(self, n: int) -> None:
+        """Move the cache now to the bucket that a run of n tokens will use (see SharedKVCache)."""
+        T = self.step_graph_for(n)
+        if T is not None:
+            self.cache.use_bucket(self._bucket_for(C.STEP, T, n))
 
     def run(self, tokens) -> np.ndarray:
         """Process tokens in one step graph; return their logits [n, V] (a view, valid until the next run)."""

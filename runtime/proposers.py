@@ -8,7 +8,8 @@
 
 `none` proposes nothing (plain decode); `ngram` looks the context's suffix up earlier in the context (prompt
 lookup); `draft` runs the bundle's draft model, whose cache follows the same invariant as the target's: it
-holds every committed token except the pending one.
+holds every committed token except the pending one. A draft cut from the target's own first layers
+(`LayerDraftProposer`) reads the target's cache, which holds exactly that already.
 """
 from __future__ import annotations
 
@@ -126,6 +127,10 @@ class DraftModelProposer:
             logits = self.runner.run(self._feed[-1:])[-1]
         else:
             logits = self.runner.run(self._feed)[-1]
+        return self._draft(logits, k, sampler)
+
+    def _draft(self, logits: np.ndarray, k: int, sampler: Sampler) -> Proposal:
+        """k drafts, starting from the logits after the pending token; each but the last is fed back."""
         probs = []
         for j in range(k):
             token, q = sampler.draft_from(logits)
@@ -146,3 +151,24 @@ class DraftModelProposer:
         # accept the last draft was never fed, so it waits to be fed with the next pending token (T=2).
         self.runner.cache.set_length(self._base + len(self._feed) + min(n_accepted, k - 1))
         self._behind = [self._proposed[-1]] if n_accepted == k else []
+
+
+class LayerDraftProposer(DraftModelProposer):
+    """A draft cut from the target's first layers, reading the target's cache (runtime/kv_cache.py,
+    SharedKVCache): the target's verify steps already stored every committed token's K/V for these layers,
+    so there is no prefill and no catch-up; each round starts at the target's valid length."""
+
+    def start(self, prompt: list[int]) -> None:
+        self.runner.reset()
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        cache = self.runner.cache
+        cache.follow()
+        self._proposed = []
+        k = min(k, cache.free)  # the pending token and k-1 drafts take k slots
+        if k < 1:
+            return EMPTY
+        return self._draft(self.runner.run(context[-1:])[-1], k, sampler)
+
+    def commit(self, n_accepted: int, next_token: int) -> None:
+        pass  # the target's commit is the draft's: the next round follows its valid length

@@ -1,12 +1,14 @@
 """Commit and rollback are a rewrite of cache_len: after any pattern of accepts and rejects, the valid part
-of each cache equals a fresh prefill of the committed tokens, and the buffers are the same objects."""
+of each cache equals a fresh prefill of the committed tokens, and the buffers are the same objects. A layer
+draft reading the target's cache sees exactly that history and never changes it."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime.generator import Generator
-from specedge.runtime.proposers import DraftModelProposer, Sampler
+from specedge.runtime.model import ModelRunner
+from specedge.runtime.proposers import DraftModelProposer, LayerDraftProposer, Sampler
 from specedge.runtime.sampling import SamplingParams
 
 TOL = 1e-5
@@ -61,12 +63,22 @@ def test_target_cache_after_random_acceptance(runtime, prompt, pattern, seed):
     assert [b.ctypes.data for b in target.cache.keys + target.cache.values] == pointers
 
 
+@pytest.fixture(scope="module")
+def pair_runtime(tiny_pair_bundle):
+    g = Generator.load(tiny_pair_bundle)
+    fresh = Generator.load(tiny_pair_bundle)
+    yield g, fresh
+    g.close()
+    fresh.close()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=st.lists(st.integers(2, 999), min_size=1, max_size=40), pattern=rounds)
-def test_draft_cache_follows_the_commits(runtime, prompt, pattern):
-    """The draft model's cache holds every committed token but the pending one and those it must catch up
-    on (after a full accept, the last draft waits to be fed with the next pending token)."""
-    g, fresh = runtime
+def test_draft_cache_follows_the_commits(pair_runtime, prompt, pattern):
+    """A separate draft model's cache holds every committed token but the pending one and those it must
+    catch up on (after a full accept, the last draft waits to be fed with the next pending token)."""
+    g, fresh = pair_runtime
+    assert not g.draft_shares_cache
     proposer = DraftModelProposer(g.draft)
     sampler = Sampler(SamplingParams(), np.random.default_rng(0), g.target.dims.vocab_size)
     proposer.start(prompt)
@@ -81,3 +93,54 @@ def test_draft_cache_follows_the_commits(runtime, prompt, pattern):
         behind = len(proposer._behind)
         assert_cache_is_prefill_of(g.draft, fresh.draft, committed[: len(committed) - 1 - behind])
         assert committed[len(committed) - 1 - behind:-1] == proposer._behind
+
+
+@pytest.fixture(scope="module")
+def own_cache_draft(tiny_bundle):
+    """The tiny bundle's layer draft with a cache of its own: the reference for the shared one."""
+    g = Generator.load(tiny_bundle)
+    runner = ModelRunner("draft", tiny_bundle, g.manifest.draft, g.backend)
+    yield runner
+    runner.close()
+    g.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(2, 999), min_size=1, max_size=40), pattern=rounds)
+def test_layer_draft_reads_the_target_cache_and_leaves_its_history_alone(runtime, own_cache_draft, prompt,
+                                                                          pattern):
+    g, fresh = runtime
+    target, draft = g.target, g.draft
+    assert g.draft_shares_cache and draft.cache.nbytes == 0
+    proposer = LayerDraftProposer(draft)
+    sampler = Sampler(SamplingParams(), np.random.default_rng(0), target.dims.vocab_size)
+    target.reset()
+    target.prefill(prompt[:-1])
+    proposer.start(prompt)
+    committed = list(prompt)
+    for k, accept, correction in pattern:
+        k = min(k, 8, target.cache.free - 1)
+        if k < 0 or target.step_graph_for(k + 1) is None:
+            break
+        if k:
+            target.reserve(k + 1)
+        base = target.cache.used
+        # The draft reads the history the target stored: its logits equal a draft with its own cache.
+        own_cache_draft.reset()
+        own_cache_draft.prefill(committed[:-1])
+        want = own_cache_draft.run(committed[-1:])[-1].copy()
+        draft.cache.follow()
+        assert np.abs(draft.run(committed[-1:])[-1] - want).max() <= 1e-4
+        history = [b[:, :, :base].copy() for b in target.cache.keys + target.cache.values]
+        proposal = proposer.propose(committed, k, sampler)
+        assert len(proposal) == k
+        # Drafting wrote only past the target's valid entries, into the target's own buffers.
+        assert all(np.array_equal(b[:, :, :base], h) for b, h in zip(target.cache.keys + target.cache.values, history))
+        assert all(a is b for a, b in zip(draft.cache.keys + draft.cache.values,
+                                          target.cache.keys[:1] + target.cache.values[:1]))
+        target.run([committed[-1]] + proposal.tokens)
+        n = min(accept, k)
+        target.cache.set_length(base + 1 + n)
+        proposer.commit(n, correction)
+        committed += proposal.tokens[:n] + [correction]
+        assert_cache_is_prefill_of(target, fresh.target, committed[:-1])
