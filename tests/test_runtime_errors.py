@@ -119,3 +119,24 @@ print("ok", out.text)
     assert cli.returncode == 0, cli.stderr
     out = json.loads(cli.stdout)
     assert out["prompt_ids"] == [5, 6, 7] and len(out["tokens"]) == 5 and out["stats"]["new_tokens"] == 5
+
+
+def test_gpu_backend_without_its_provider_says_what_to_install(tiny_bundle):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    assert_clean_error(generate(tiny_bundle, "--prompt-ids", "5,6", "--backend", "cuda"), "CUDAExecutionProvider")
+
+
+def test_missing_onnxruntime_says_what_to_install(tiny_bundle):
+    # A None entry in sys.modules is what Python shows for a package that is not installed: importing it
+    # raises ModuleNotFoundError and importlib.util.find_spec returns None.
+    script = f"""
+import sys
+sys.modules['onnxruntime'] = None
+from specedge.cli import main
+sys.exit(main(['generate', {tiny_bundle!r}, '--prompt-ids', '5,6']))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert_clean_error(r, "pip install onnxruntime")

@@ -90,6 +90,32 @@ def test_speculative_sampling_matches_plain_sampling(pair, params, proposer, gam
     assert goodness_of_fit(counts, law) > P_MIN
 
 
+@pytest.fixture(scope="module")
+def layer_pair(tmp_path_factory):
+    """A target whose draft is its own first layer, reading the target's KV cache (SharedKVCache)."""
+    from models import make_hf_model
+
+    root = tmp_path_factory.mktemp("sampling_layer_draft")
+    target = make_hf_model(str(root / "target"), "llama", vocab=V, layers=2, hidden=32, heads=4, kv_heads=2,
+                           seed=1, logit_scale=10.0)
+    out = str(root / "bundle")
+    export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4), draft_layers=1),
+                  progress=False)
+    g = Generator.load(out)
+    assert g.draft_shares_cache
+    yield g, target
+    g.close()
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
+def test_layer_draft_sampling_matches_plain_sampling(layer_pair, params):
+    gen, model = layer_pair
+    counts = sample_counts(gen, "draft", 4, params, seed=7)
+    assert gen.generate(PROMPT, 3, proposer="draft", gamma=4, temperature=1.0, seed=0, stop_ids=[],
+                        adaptive=False).stats.proposed > 0
+    assert goodness_of_fit(counts, exact_law(model, params)) > P_MIN
+
+
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
 def test_plain_sampling_follows_the_exact_law(pair, params):
     """The control: plain sampling through the graphs passes the same test."""
