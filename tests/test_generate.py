@@ -164,3 +164,15 @@ def test_context_buckets_change_nothing(gen, tiny_models, tmp_path):
             assert g.generate(prompt, 60, proposer=proposer, gamma=4, stop_ids=[]).tokens == plain, proposer
             assert g.target.cache.bucket == (128 if length + 60 > 64 else 64)
     g.close()
+
+
+def test_python_api_backend_gives_the_same_tokens(tiny_bundle, gen):
+    """The `ort` backend (onnxruntime's Python API) runs the same loop; greedy output is the same."""
+    prompt = prompt_of(2 * CHUNK + 3, 5)
+    g = Generator.load(tiny_bundle, backend="ort")
+    try:
+        for proposer in ("none", "ngram", "draft"):
+            assert g.generate(prompt, NEW, proposer=proposer, gamma=4, stop_ids=[]).tokens == \
+                gen.generate(prompt, NEW, proposer=proposer, gamma=4, stop_ids=[]).tokens, proposer
+    finally:
+        g.close()

@@ -46,11 +46,6 @@ class OrtSession:
     def run(self) -> None:
         self._session.run_with_iobinding(self._binding)
 
-    def release_raw_weights(self) -> None:
-        """Call once all sessions exist: their packed weights are what they read now."""
-        release_pages(self._maps)
-        trim_heap()
-
     def close(self) -> None:
         self._binding = self._keep = self._session = None
 
@@ -106,6 +101,11 @@ class OrtBackend:
         except Exception as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
         return OrtSession(session, "cpu")
+
+    def release_raw_weights(self) -> None:
+        """Call once all sessions exist: their packed weights are what they read now."""
+        release_pages(self._maps)
+        trim_heap()
 
     def close(self) -> None:
         self._weights.clear()
