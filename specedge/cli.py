@@ -32,7 +32,7 @@ def _add_export(sub) -> None:
     p.add_argument("--draft", metavar="PATH", help="HF directory or .gguf of a draft sharing the target's tokenizer")
     p.add_argument("--draft-layers", type=int, metavar="N",
                    help="instead of --draft: a self-speculative draft made of the target's first N layers, final "
-                   "norm and LM head, reusing the target's weights file")
+                   "norm and LM head, reusing the target's weights file (the runtime also lets it read the target's KV cache)")
     p.add_argument("--out", required=True, metavar="BUNDLE", help="output directory (must not exist, see --force)")
     p.add_argument("--context", type=int, default=1024, help="cache slots S per sequence (default 1024)")
     p.add_argument("--gamma", type=_ints, default=[1, 2, 4, 8], metavar="G1,G2",
