@@ -107,7 +107,9 @@ class Generator:
 
     def _proposer(self, name: str, ngram: tuple[int, int]):
         if name == "draft":
-            return LayerDraftProposer(self.draft) if self.draft_shares_cache else DraftModelProposer(self.draft)
+            if self.draft_shares_cache:
+                return LayerDraftProposer(self.draft, self.target)
+            return DraftModelProposer(self.draft)
         if name == "ngram":
             return NgramProposer(*ngram)
         return NoProposer()
@@ -174,8 +176,6 @@ class Generator:
                 break
             t0 = time.perf_counter()
             k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
-            if k:
-                target.reserve(k + 1)  # the verify step's bucket, chosen before a cache-sharing draft runs
             proposal = drafter.propose(context, k, sampler)
             t1 = time.perf_counter()
             base = target.cache.used

@@ -113,8 +113,8 @@ class SharedKVCache(KVCache):
     target's valid length and writes its proposals' K/V after it; the target's verify step then rewrites
     those slots with its own K/V before anything reads them, so the target never sees a draft entry.
 
-    The bucket is the target's: the loop moves the target to the bucket its verify step needs before the
-    draft runs (`ModelRunner.reserve`), so the bucket never changes while draft entries sit past the
+    The bucket is the target's: the proposer moves the target to the bucket its verify step needs before
+    the draft runs (`ModelRunner.reserve`), so the bucket never changes while draft entries sit past the
     target's valid length (a promotion copies only valid entries).
     """
 

@@ -127,18 +127,9 @@ class DraftModelProposer:
             logits = self.runner.run(self._feed[-1:])[-1]
         else:
             logits = self.runner.run(self._feed)[-1]
-        return self._draft(logits, k, sampler)
-
-    def _draft(self, logits: np.ndarray, k: int, sampler: Sampler) -> Proposal:
-        """k drafts, starting from the logits after the pending token; each but the last is fed back."""
-        probs = []
-        for j in range(k):
-            token, q = sampler.draft_from(logits)
-            self._proposed.append(token)
-            probs.append(q)
-            if j < k - 1:
-                logits = self.runner.run([token])[-1]
-        return Proposal(list(self._proposed), None if sampler.params.greedy else np.stack(probs))
+        proposal = draft_tokens(self.runner, logits, k, sampler)
+        self._proposed = proposal.tokens
+        return proposal
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         k = len(self._proposed)
@@ -153,22 +144,42 @@ class DraftModelProposer:
         self._behind = [self._proposed[-1]] if n_accepted == k else []
 
 
-class LayerDraftProposer(DraftModelProposer):
+class LayerDraftProposer:
     """A draft cut from the target's first layers, reading the target's cache (runtime/kv_cache.py,
     SharedKVCache): the target's verify steps already stored every committed token's K/V for these layers,
     so there is no prefill and no catch-up; each round starts at the target's valid length."""
+
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, target: ModelRunner):
+        self.runner, self.target = runner, target
 
     def start(self, prompt: list[int]) -> None:
         self.runner.reset()
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
-        cache = self.runner.cache
-        cache.follow()
-        self._proposed = []
-        k = min(k, cache.free)  # the pending token and k-1 drafts take k slots
         if k < 1:
             return EMPTY
-        return self._draft(self.runner.run(context[-1:])[-1], k, sampler)
+        # The verify step's bucket, chosen now: the shared buffers must not change bucket while draft
+        # entries sit past the target's valid length.
+        self.target.reserve(k + 1)
+        cache = self.runner.cache
+        cache.follow()
+        k = min(k, cache.free)  # the pending token and k-1 drafts take k slots
+        return draft_tokens(self.runner, self.runner.run(context[-1:])[-1], k, sampler)
 
     def commit(self, n_accepted: int, next_token: int) -> None:
         pass  # the target's commit is the draft's: the next round follows its valid length
+
+
+def draft_tokens(runner: ModelRunner, logits: np.ndarray, k: int, sampler: Sampler) -> Proposal:
+    """k drafts from a draft model, starting from its logits after the pending token; each but the last is
+    fed back (the last is never needed: the target's verify step judges it)."""
+    tokens, probs = [], []
+    for j in range(k):
+        token, q = sampler.draft_from(logits)
+        tokens.append(token)
+        probs.append(q)
+        if j < k - 1:
+            logits = runner.run([token])[-1]
+    return Proposal(tokens, None if sampler.params.greedy else np.stack(probs))
