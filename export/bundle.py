@@ -18,6 +18,7 @@ from .. import __version__
 from ..graphs import contract as C
 from ..graphs import llama
 from ..graphs.builder import GraphBuilder
+from ..graphs.quant import QUANT_IR_VERSION, QUANT_OPSET, QuantSpec, parse_quant
 from ..graphs.manifest import (GraphEntry, Manifest, ModelEntry, TokenizerEntry, WeightRef, graph_file,
                                read_index, weights_file, weights_index_file, write_index)
 from ..errors import ExportError
@@ -37,11 +38,23 @@ class ExportOptions:
     draft_layers: int | None = None  # cut a draft from the target's first N layers
     prefill_logits: bool = False  # give prefill graphs logits too (parity checks; slows prefill)
     step_mask: bool = False  # add the optional step_mask input to the step graphs (tree verification)
+    quant: str = "none"  # weight-only quantization: none | int8 | int4
+    quant_block: int | None = None  # input rows per scale (default 32)
+    quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
     extra: dict = field(default_factory=dict)
+
+    def quant_spec(self) -> QuantSpec | None:
+        try:
+            return parse_quant(self.quant, self.quant_block, self.quant_head)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
 
     def validate(self) -> None:
         if self.dtype not in C.DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(C.DTYPES)}, not {self.dtype}")
+        if self.quant_spec() is not None and self.dtype != "float32":
+            raise ExportError(f"--quant {self.quant} needs --dtype float32: onnxruntime's CPU kernel for quantized "
+                              "weights (MatMulNBits) runs float32 activations; float16 activations are not supported yet")
         if self.batch < 1:
             raise ExportError(f"--batch must be at least 1, not {self.batch}")
         if self.prefill_chunk < 1:
@@ -105,9 +118,12 @@ def check_vocab(target: Source, draft: Source) -> dict:
 
 
 def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
-                 context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool) -> GraphEntry:
-    g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights)
-    llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context)
+                 context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool,
+                 quant: QuantSpec | None) -> GraphEntry:
+    opset, ir = (QUANT_OPSET, QUANT_IR_VERSION) if quant else (C.OPSET, 8)
+    g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights, opset=opset, ir_version=ir)
+    llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
+                           quant=quant)
     entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context), context=context,
                        step_mask=step_mask and role == C.STEP)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
@@ -119,14 +135,20 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
                   num_layers: int | None = None) -> ModelEntry:
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
+    quant = opts.quant_spec()
+    quant_record = None
     if shared is None:
         weights = weights_file(name)
+        report = llama.QuantReport()
         refs = write_weights(os.path.join(bundle, weights),
-                             llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor),
+                             llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
+                                                 native=src.blocks, report=report),
                              on_tensor=progress.update)
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
+        if quant:
+            quant_record = {**quant.to_json(), "source": report.to_json()}
     else:
-        weights, refs = shared
+        weights, refs, quant_record = shared
     prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
     prefills = opts.prefill_sizes()
     plan = [(prefill_role, t, False) for t in prefills]
@@ -134,11 +156,11 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     graphs = []
     for context in opts.buckets():
         for role, tokens, mask in plan:
-            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask))
+            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant))
             progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
-                      layers_of="target" if shared is not None else None)
+                      layers_of="target" if shared is not None else None, quant=quant_record)
 
 
 def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: str | None = None,
@@ -175,7 +197,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should look like any directory
-    n_weights = len(llama.weight_names(target.config)) + (len(llama.weight_names(draft.config)) if draft else 0)
+    quant = opts.quant_spec()
+    n_weights = len(llama.weight_names(target.config, quant)) + (len(llama.weight_names(draft.config, quant)) if draft else 0)
     n_prefill = len(opts.prefill_sizes())
     n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps())
                                       + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0))
@@ -187,7 +210,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             models["draft"] = _export_model(tmp, "draft", draft, opts, opts.draft_steps(), bar)
         elif opts.draft_layers is not None:
             t = models["target"]
-            shared = (t.weights, read_index(os.path.join(tmp, weights_index_file(t.weights))))
+            shared = (t.weights, read_index(os.path.join(tmp, weights_index_file(t.weights))), t.quant)
             models["draft"] = _export_model(tmp, "draft", target, opts, opts.draft_steps(), bar,
                                             shared=shared, num_layers=opts.draft_layers)
         tok_files = []
@@ -202,9 +225,11 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             tokenizer=TokenizerEntry(files=tok_files, bos_id=tokenizer.bos_id, eos_ids=tokenizer.eos_ids,
                                      chat_template=tokenizer.chat_template),
             vocab=vocab,
+            opset=QUANT_OPSET if quant else C.OPSET,
             export={"specedge": __version__, "context": opts.context, "gammas": list(opts.gammas),
                     "prefill_chunk": opts.prefill_chunk, "context_buckets": opts.buckets(), "batch": opts.batch,
-                    "dtype": opts.dtype,
+                    "dtype": opts.dtype, "quant": opts.quant, "quant_block": quant.block if quant else None,
+                    "quant_head": f"int{quant.head_bits}" if quant else None,
                     "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
                     "step_mask": opts.step_mask, "target": os.path.basename(os.path.normpath(target_path)),
                     "draft": os.path.basename(os.path.normpath(draft_path)) if draft_path else None,

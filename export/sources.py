@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..graphs.llama import FAMILIES, LlamaConfig
+from ..graphs.quant import Blocks
 from ..errors import ExportError
 
 
@@ -31,6 +32,11 @@ class Source:
 
     def tensor(self, hf_name: str) -> np.ndarray:  # float32
         raise NotImplementedError
+
+    def blocks(self, hf_name: str) -> Blocks | None:
+        """The tensor as symmetric int blocks in the ONNX layout ([in, out], blocks along `in`), when the source
+        stores it that way already (GGUF Q4_0 / Q8_0); None otherwise."""
+        return None
 
     def tokenizer(self) -> TokenizerInfo:
         raise NotImplementedError
@@ -264,19 +270,44 @@ class GGUFSource(Source):
                 raise ExportError(f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}, which cannot "
                                   f"be dequantized (readable: {names})")
 
-    def tensor(self, hf_name: str) -> np.ndarray:
+    def _gguf_tensor(self, hf_name: str):
         if hf_name not in self._tensors:
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                return self.tensor("model.embed_tokens.weight")
+                return self._gguf_tensor("model.embed_tokens.weight")
             raise ExportError(f"{self.path}: tensor {hf_name} is missing from the GGUF file")
-        t = self._tensors[hf_name]
-        w = self._gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        return self._tensors[hf_name]
+
+    def _unpermute(self, hf_name: str, rows: np.ndarray) -> np.ndarray:
+        """llama.cpp's converter interleaves the rotary halves of q/k rows; undo it for rotate_half RoPE."""
         if self.arch in ("llama", "mistral") and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            # llama.cpp's converter interleaves the rotary halves of q/k rows; undo it for rotate_half RoPE.
             heads = self.config.num_heads if ".q_proj." in hf_name else self.config.num_kv_heads
-            w = w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        return w
+            return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+        return rows
+
+    def tensor(self, hf_name: str) -> np.ndarray:
+        t = self._gguf_tensor(hf_name)
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        return self._unpermute(hf_name, np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
+
+    def blocks(self, hf_name: str) -> Blocks | None:
+        """Q8_0 (blocks of 32: f16 scale d, 32 int8) and Q4_0 (f16 d, 16 bytes: element j in the low nibble
+        of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
+        input dimension: exactly the ONNX layout, ints and scales copied bit for bit."""
+        t = self._gguf_tensor(hf_name)
+        kind = t.tensor_type.name
+        if kind not in ("Q8_0", "Q4_0") or len(t.shape) != 2:
+            return None
+        n_in, n_out = int(t.shape[0]), int(t.shape[1])
+        raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, -1)  # [out, blocks, bytes]
+        d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [out, in/32]
+        if kind == "Q8_0":
+            q = raw[:, :, 2:].copy().view(np.int8)  # [out, in/32, 32]
+        else:
+            nib = raw[:, :, 2:]
+            q = (np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.int16) - 8).astype(np.int8)
+        q = self._unpermute(hf_name, q.reshape(n_out, n_in))
+        d = self._unpermute(hf_name, d)
+        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32)
 
     def tokenizer(self) -> TokenizerInfo:
         eos = self._field("tokenizer.ggml.eos_token_id", None)

@@ -11,24 +11,29 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..graphs.manifest import WeightRef
+from ..graphs.quant import PackedInt4
 
 PAGE = 4096
 SMALL = 64
 
 
-def write_weights(path: str, tensors: Iterable[tuple[str, np.ndarray]],
+def write_weights(path: str, tensors: Iterable[tuple[str, np.ndarray | PackedInt4]],
                   on_tensor: Callable[[str], None] | None = None) -> dict[str, WeightRef]:
     refs: dict[str, WeightRef] = {}
     offset = 0
     with open(path, "wb") as f:
-        for name, array in tensors:
-            array = np.ascontiguousarray(array)
-            pad = -offset % (PAGE if array.nbytes >= 1 << 16 else SMALL)
+        for name, tensor in tensors:
+            if isinstance(tensor, PackedInt4):  # int4: the packed bytes, indexed with the logical shape
+                data, dtype, shape = tensor.packed, "int4", tensor.shape
+            else:
+                data = np.ascontiguousarray(tensor)
+                dtype, shape = data.dtype.name, tuple(data.shape)
+            pad = -offset % (PAGE if data.nbytes >= 1 << 16 else SMALL)
             f.write(b"\0" * pad)
             offset += pad
-            f.write(array.tobytes())
-            refs[name] = WeightRef(name, array.dtype.name, tuple(array.shape), offset, array.nbytes)
-            offset += array.nbytes
+            f.write(data.tobytes())
+            refs[name] = WeightRef(name, dtype, shape, offset, data.nbytes)
+            offset += data.nbytes
             if on_tensor:
                 on_tensor(name)
     return refs

@@ -19,12 +19,18 @@ ONNX_DTYPE = {
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
     "bool": TensorProto.BOOL,
+    "int8": TensorProto.INT8,
+    "int4": TensorProto.INT4,
 }
 
 
 class GraphBuilder:
-    def __init__(self, name: str, weights: dict[str, WeightRef], weights_file: str):
+    def __init__(self, name: str, weights: dict[str, WeightRef], weights_file: str, opset: int = OPSET,
+                 ir_version: int = 8):
+        """`opset`/`ir_version`: 17/8 for the portable float flavour (the IR of opset 17, ONNX 1.12: what ATC
+        and older TensorRT parsers read); quantized flavours need 21/10 (blocked DequantizeLinear, int4)."""
         self.name = name
+        self.opset, self.ir_version = opset, ir_version
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -77,11 +83,13 @@ class GraphBuilder:
         names = [f"{op_type.lower()}_{self._count}" + (f"_{k}" if outputs > 1 else "") for k in range(outputs)]
         if name is not None:
             names = [name]
+        if op_type == "Split" and len(inputs) == 1 and self.opset >= 18:
+            attrs.setdefault("num_outputs", outputs)  # equal parts: an attribute since opset 18
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"n{self._count}_{op_type}", **attrs))
         return names[0] if outputs == 1 else names
 
     def build(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="specedge")
-        model.ir_version = 8  # the IR of opset 17 (ONNX 1.12): what ATC and older TensorRT parsers read
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)], producer_name="specedge")
+        model.ir_version = self.ir_version
         return model

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import contract as C
 from .builder import GraphBuilder
+from .quant import (Blocks, PackedInt4, QuantSpec, dequantize_blocks, quantize_blocks, relative_error)
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -129,73 +130,143 @@ def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]
 
 
 # -- weights ------------------------------------------------------------------------------------------
-def weight_names(cfg: LlamaConfig) -> list[str]:
-    names = ["embed", "norm", "rope.cos", "rope.sin"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head")
+MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer MatMul weights, stored [in, out]
+
+
+def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None) -> list[str]:
+    """Every tensor of the weights file, in the order graph_weights yields them."""
+    def matrix(name):
+        return [name] if quant is None else [name + ".q", name + ".scale"]
+
+    names = ["rope.cos", "rope.sin"] + matrix("embed")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        names += [p + "attn_norm", p + "qkv", p + "o", p + "mlp_norm", p + "gate_up", p + "down"]
+        names.append(p + "attn_norm")
+        names += matrix(p + "qkv")
         if cfg.attention_bias:
             names.append(p + "qkv_bias")
         if cfg.qk_norm:
             names.append(p + "qk_norm")
+        names += matrix(p + "o") + [p + "mlp_norm"] + matrix(p + "gate_up") + matrix(p + "down")
+    names.append("norm")
+    if quant is not None or not cfg.tie_word_embeddings:
+        names += matrix("lm_head")  # quantized bundles always store the head as a MatMul weight of its own
     return names
 
 
-def graph_weights(cfg: LlamaConfig, context: int, dtype: str,
-                  hf: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+@dataclass
+class QuantReport:
+    """What quantizing a model did to each weight: copied block for block, or requantized with an error."""
+
+    native: list[str] = field(default_factory=list)
+    requantized: dict[str, float] = field(default_factory=dict)  # name -> ||W - deq(q)|| / ||W||
+
+    def to_json(self) -> dict:
+        errs = list(self.requantized.values())
+        return {"native": len(self.native), "requantized": len(errs),
+                "relative_error_mean": round(float(np.mean(errs)), 6) if errs else 0.0,
+                "relative_error_max": round(float(np.max(errs)), 6) if errs else 0.0,
+                "worst": max(self.requantized, key=self.requantized.get) if errs else None}
+
+
+def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
+                  quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
+                  report: QuantReport | None = None) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
     """Yield the graph's tensors, one at a time, from HF-named float32 tensors.
 
     `hf(name)` returns a tensor by its transformers name (e.g. "model.layers.0.self_attn.q_proj.weight").
-    MatMul weights are stored [in, out] (x @ W), q/k/v and gate/up fused; the head keeps [V, hidden] so a
-    tied head and the embedding are one tensor (Gemm with transB reads it).
+    MatMul weights are stored [in, out] (x @ W), q/k/v and gate/up fused; the float head keeps [V, hidden] so
+    a tied head and the embedding are one tensor (Gemm with transB reads it).
+
+    With `quant`, every MatMul weight W becomes W.q (int8 or int4 [in, out]) and W.scale (float32 blocks along
+    `in`), the embedding becomes embed.q (int8 [V, hidden]) and embed.scale (blocks along hidden), and the head
+    is a MatMul weight "lm_head" [hidden, V] of its own (see graphs/quant.py). `native(name)` may return a
+    source tensor that already is such blocks (GGUF Q4_0/Q8_0), used as it is when its bits and block match;
+    everything else is requantized from float, and `report` records which and the error introduced.
     """
     np_dtype = np.dtype(dtype)
     scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+    report = report if report is not None else QuantReport()
+
+    def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
+        """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
+        found = [native(n) for n, _ in parts] if native else [None]
+        if all(b is not None and (b.bits, b.block) == (bits, quant.block) for b in found):
+            for b, (_, factor) in zip(found, parts):
+                if factor != 1:
+                    b.scale = (b.scale * factor).astype(np.float32)  # the ints stay as the source stored them
+            report.native.append(name)
+            return Blocks.concat(found)
+        w = np.ascontiguousarray(np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T)
+        q, s = quantize_blocks(w, bits, quant.block)
+        report.requantized[name] = relative_error(w, dequantize_blocks(q, s, quant.block))
+        return Blocks(q, s, bits, quant.block)
+
+    def stored(name: str, b: Blocks, transpose: bool = False):
+        q, s = (b.q.T, b.scale.T) if transpose else (b.q, b.scale)
+        q, s = np.ascontiguousarray(q), np.ascontiguousarray(s)
+        yield name + ".q", PackedInt4.from_values(q) if b.bits == 4 else q
+        yield name + ".scale", s
+
+    def matrix(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None):
+        if quant is None:
+            w = np.concatenate([hf(n) * factor for n, factor in parts], axis=0)
+            yield name, np.ascontiguousarray(w.T).astype(np_dtype)
+        else:
+            yield from stored(name, blocks(name, parts, bits or quant.bits))
+
+    one = np.float32(1)
     cos, sin = rope_tables(cfg, context)
     yield "rope.cos", cos.astype(np_dtype)
     yield "rope.sin", sin.astype(np_dtype)
-    yield "embed", hf("model.embed_tokens.weight").astype(np_dtype)
+    embed = "model.embed_tokens.weight"
+    if quant is None:
+        yield "embed", hf(embed).astype(np_dtype)
+    else:  # [V, hidden] rows for Gather: the head's layout transposed, blocks along hidden
+        yield from stored("embed", blocks("embed", [(embed, one)], 8), transpose=True)
     for i in range(cfg.num_layers):
         p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         yield p + "attn_norm", hf(f"model.layers.{i}.input_layernorm.weight").astype(np_dtype)
-        q = hf(a + "q_proj.weight")
-        if not cfg.qk_norm:
-            q = q * scale  # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded there)
-        qkv = np.concatenate([q, hf(a + "k_proj.weight"), hf(a + "v_proj.weight")], axis=0)
-        yield p + "qkv", np.ascontiguousarray(qkv.T).astype(np_dtype)
+        # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded into its q_norm there)
+        q_factor = one if cfg.qk_norm else scale
+        yield from matrix(p + "qkv", [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one),
+                                      (a + "v_proj.weight", one)])
         if cfg.attention_bias:
-            qb = hf(a + "q_proj.bias")
-            if not cfg.qk_norm:
-                qb = qb * scale
+            qb = hf(a + "q_proj.bias") * q_factor
             yield p + "qkv_bias", np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")]).astype(np_dtype)
         if cfg.qk_norm:
             qn = hf(a + "q_norm.weight") * scale
             kn = hf(a + "k_norm.weight")
             rows = [qn] * cfg.num_heads + [kn] * cfg.num_kv_heads
             yield p + "qk_norm", np.stack(rows).astype(np_dtype)  # [H + H_kv, D]
-        yield p + "o", np.ascontiguousarray(hf(a + "o_proj.weight").T).astype(np_dtype)
+        yield from matrix(p + "o", [(a + "o_proj.weight", one)])
         yield p + "mlp_norm", hf(f"model.layers.{i}.post_attention_layernorm.weight").astype(np_dtype)
-        gate_up = np.concatenate([hf(m + "gate_proj.weight"), hf(m + "up_proj.weight")], axis=0)
-        yield p + "gate_up", np.ascontiguousarray(gate_up.T).astype(np_dtype)
-        yield p + "down", np.ascontiguousarray(hf(m + "down_proj.weight").T).astype(np_dtype)
+        yield from matrix(p + "gate_up", [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)])
+        yield from matrix(p + "down", [(m + "down_proj.weight", one)])
     yield "norm", hf("model.norm.weight").astype(np_dtype)
-    if not cfg.tie_word_embeddings:
-        yield "lm_head", hf("lm_head.weight").astype(np_dtype)
+    head = embed if cfg.tie_word_embeddings else "lm_head.weight"
+    if quant is not None:
+        yield from matrix("lm_head", [(head, one)], quant.head_bits)
+    elif not cfg.tie_word_embeddings:
+        yield "lm_head", hf(head).astype(np_dtype)
 
 
 # -- the step graph -----------------------------------------------------------------------------------
 def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
     # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm.
-    var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, dtype)), axes=[-1], keepdims=1)
+    square = g.op("Pow", x, g.const(2.0, dtype))
+    if g.opset >= 18:  # axes became an input at opset 18
+        var = g.op("ReduceMean", square, g.ints(-1), keepdims=1)
+    else:
+        var = g.op("ReduceMean", square, axes=[-1], keepdims=1)
     return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, g.const(eps, dtype)))), weight)
 
 
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
-                     step_mask: bool = False, context: int | None = None) -> None:
+                     step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None) -> None:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
-    role: contract.PREFILL or contract.STEP)."""
+    role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
+    with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
@@ -221,7 +292,20 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         return g.op("Reshape", x, g.ints(B * T, H * D))
 
     def linear(x, weight):  # [B*T, in] @ [in, out]; MatMul beat Gemm in place, at 1 and at 9 rows
-        return g.op("MatMul", x, g.weight(weight))
+        if quant is None:
+            return g.op("MatMul", x, g.weight(weight))
+        # Standard-domain weight-only quantization; onnxruntime fuses the pair into MatMulNBits.
+        w = g.op("DequantizeLinear", g.weight(weight + ".q"), g.weight(weight + ".scale"), axis=0,
+                 block_size=quant.block)
+        return g.op("MatMul", x, w)
+
+    def embedding(ids):  # [B, T] -> [B*T, E]
+        if quant is None:
+            return g.op("Reshape", g.op("Gather", g.weight("embed"), ids, axis=0), g.ints(B * T, E))
+        flat = g.op("Reshape", ids, g.ints(B * T))
+        rows = g.op("Gather", g.weight("embed.q"), flat, axis=0)  # int8 [B*T, E]
+        scales = g.op("Gather", g.weight("embed.scale"), flat, axis=0)  # [B*T, E/block]
+        return g.op("DequantizeLinear", rows, scales, axis=1, block_size=quant.block)
 
     def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
         if T > 1:
@@ -258,7 +342,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     swap = g.const(swap)
 
     # The residual stream is 2-D, [B*T, E]: every weight product is a plain 2-D MatMul or Gemm.
-    x = g.op("Reshape", g.op("Gather", g.weight("embed"), input_ids, axis=0), g.ints(B * T, E))
+    x = embedding(input_ids)
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
         h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt)
@@ -292,8 +376,11 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt)
-        head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
-        logits = g.op("Gemm", h, head, transB=1)  # [B*T, V]
+        if quant is not None:
+            logits = linear(h, "lm_head")  # [B*T, V]
+        else:
+            head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
+            logits = g.op("Gemm", h, head, transB=1)  # [B*T, V]
         if dt == "float32":
             g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=C.LOGITS)
         else:  # the contract's logits are float32

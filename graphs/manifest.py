@@ -85,6 +85,17 @@ class ModelEntry:
     graphs: list[GraphEntry]
     source: str = ""
     layers_of: str | None = None  # "target" for a draft cut from the target's first layers
+    quant: dict | None = None  # weight-only quantization record (graphs/quant.py QuantSpec.to_json + source report)
+
+    @property
+    def session_config(self) -> dict[str, str]:
+        """onnxruntime session config entries this model's graphs need (empty for float graphs)."""
+        return dict((self.quant or {}).get("onnxruntime_session_config", {}))
+
+    @property
+    def quant_spec(self):
+        from .quant import QuantSpec
+        return QuantSpec.from_json(self.quant) if self.quant else None
 
     def graph(self, role: str, tokens: int, context: int | None = None) -> GraphEntry | None:
         """The graph of a role and T at a context bucket (the full context when None)."""
@@ -107,6 +118,8 @@ class ModelEntry:
              "graphs": [asdict(g) for g in self.graphs], "source": self.source}
         if self.layers_of:
             d["layers_of"] = self.layers_of
+        if self.quant:
+            d["quant"] = self.quant
         return d
 
 
@@ -151,7 +164,8 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
         graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], int(g.get("context", d["context"])),
                              bool(g.get("step_mask", False))) for g in d["graphs"]]
         entry = ModelEntry(dims=dims, family=d["family"], weights=d["weights"], graphs=graphs,
-                           source=d.get("source", ""), layers_of=d.get("layers_of"))
+                           source=d.get("source", ""), layers_of=d.get("layers_of"), quant=d.get("quant"))
+        entry.quant_spec  # a malformed quant record fails here, as a BundleError
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"manifest: model '{name}' is malformed ({type(e).__name__}: {e})") from None
     if dims.dtype not in C.DTYPES:

@@ -64,7 +64,8 @@ class ModelRunner:
             if not os.path.isfile(path):
                 raise BundleError(f"graph file missing: {path}")
             try:
-                session = self._backend.load(path, os.path.join(self._dir, self.entry.weights))
+                session = self._backend.load(path, os.path.join(self._dir, self.entry.weights),
+                                             config=self.entry.session_config)
             except BackendError as e:
                 raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
             _check_io(graph, self.dims, session)

@@ -44,6 +44,15 @@ def _add_export(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="weights, cache and activations (logits are always float32)")
+    p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
+                   help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
+                   "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
+                   "copied as they are, other types are requantized and the error is reported (default none)")
+    p.add_argument("--quant-block", type=int, default=None, metavar="N",
+                   help="input rows per quantization scale, a power of two in 16..256 (default 32; TensorRT's "
+                   "int4 import takes 64 or 128)")
+    p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
+                   help="the LM head's type under --quant (default int8: see benchmarks/quality.md)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true", help="add the optional step_mask input (tree verification)")
@@ -57,10 +66,17 @@ def _run_export(a) -> int:
     opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk,
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype=a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
-                         step_mask=a.step_mask)
+                         step_mask=a.step_mask, quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head)
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())
     print(f"wrote {a.out}: {graphs} graphs, models: {', '.join(m.models)} ({m.export['seconds']} s)")
+    for name, model in m.models.items():
+        if model.quant and not model.layers_of:
+            src = model.quant["source"]
+            print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}, head "
+                  f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
+                  f"{src['requantized']} requantized (relative error mean {src['relative_error_mean']:.4f}, "
+                  f"max {src['relative_error_max']:.4f} in {src['worst']})")
     return 0
 
 

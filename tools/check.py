@@ -18,7 +18,7 @@ from ..errors import BundleError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry, load_manifest, read_index, weights_index_file
 
-_ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool"}
+_ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool", 3: "int8", 22: "int4"}
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         backend = create_backend("cpu", threads=None)
         weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
-        session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False)
+        session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False, config=model.session_config)
         feeds = {s.name: np.zeros(s.shape, dtype=s.dtype)
                  for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask, graph.context)}
         outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(model.dims, graph.tokens, graph.role)}

@@ -33,8 +33,11 @@ def profile(bundle: str, model: str, tokens: int, cache_len: int, runs: int, thr
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.enable_profiling = True
+    for key, value in m.session_config.items():
+        so.add_session_config_entry(key, value)
     so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "profile")
-    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
+    # int4 tensors (PackedInt4) have no numpy dtype: onnxruntime reads those from the weights file itself.
+    values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items() if isinstance(a, np.ndarray)}
     for n, v in values.items():
         so.add_initializer(n, v)
     sess = ort.InferenceSession(os.path.join(bundle, graph.file), so, providers=["CPUExecutionProvider"])

@@ -27,12 +27,14 @@ import numpy as np
 
 from ...errors import BackendError, BundleError
 from ...graphs.manifest import WeightRef
+from ...graphs.quant import PackedInt4, int4_nbytes
 
 BACKENDS = ("cpu", "ort", "cuda", "tensorrt")
 
 
-def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict[str, np.ndarray]]:
-    """Read-only views of every indexed tensor over one mmap of the weights file (no copy, no read)."""
+def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict[str, np.ndarray | PackedInt4]]:
+    """Read-only views of every indexed tensor over one mmap of the weights file (no copy, no read); int4
+    tensors come as PackedInt4 over their packed bytes."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -44,7 +46,16 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
         raise BundleError(f"weights file missing: {path}") from None
     tensors = {}
     for name, ref in index.items():
-        dtype = np.dtype(ref.dtype)
+        if ref.dtype == "int4":
+            if ref.length != int4_nbytes(ref.shape):
+                raise BundleError(f"weights index entry {name}: {ref.length} bytes do not hold int4{list(ref.shape)}")
+            packed = np.frombuffer(mapped, dtype=np.uint8, count=ref.length, offset=ref.offset)
+            tensors[name] = PackedInt4(packed, tuple(ref.shape))
+            continue
+        try:
+            dtype = np.dtype(ref.dtype)
+        except TypeError:
+            raise BundleError(f"weights index entry {name}: unknown dtype {ref.dtype!r}") from None
         count = ref.length // dtype.itemsize
         if count != int(np.prod(ref.shape)):
             raise BundleError(f"weights index entry {name}: {ref.length} bytes do not hold {ref.dtype}{list(ref.shape)}")

@@ -31,9 +31,10 @@ class CapiBackend:
         self._maps.append(mapped)
         self._envs[path] = env
 
-    def load(self, graph_path: str, weights_path: str, prepack: bool = True):
+    def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
+        """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry)."""
         try:
-            return self._envs[weights_path].create_session(graph_path, prepack=prepack)
+            return self._envs[weights_path].create_session(graph_path, prepack=prepack, config=config)
         except ort_capi.CapiError as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
 

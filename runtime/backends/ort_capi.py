@@ -37,6 +37,8 @@ from ctypes import CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_int64, c_size_t
 
 import numpy as np
 
+from ...graphs.quant import PackedInt4
+
 # GetApi(N) hands out the function table as of API version N. 13 is the version of the header the indices below
 # were read from (onnxruntime 1.13's include/onnxruntime/core/session/onnxruntime_c_api.h, commit 0017800f); every
 # function used here exists there. Newer libraries (1.32 serves 1..32) keep old entries where they were.
@@ -96,6 +98,8 @@ _FUNCS = {  # name: (index, restype, argtypes)
 _DTYPE_OF_ONNX = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 8: "string",
                   9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 16: "bfloat16"}
 _ONNX_OF_DTYPE = {v: k for k, v in _DTYPE_OF_ONNX.items() if v not in ("string", "bfloat16")}
+_ONNX_INT4 = 22  # packed two per byte; numpy has no such dtype (weights only, see PackedInt4)
+_DTYPE_OF_ONNX[_ONNX_INT4] = "int4"
 _OPT_LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}  # GraphOptimizationLevel
 _ORT_LOGGING_LEVEL_WARNING, _ORT_SEQUENTIAL, _ORT_ARENA_ALLOCATOR, _ORT_MEM_TYPE_DEFAULT = 2, 0, 1, 0
 
@@ -218,12 +222,15 @@ def available() -> bool:
         return False
 
 
-def _tensor(api: _Api, mem_info: c_void_p, arr: np.ndarray) -> c_void_p:
+def _tensor(api: _Api, mem_info: c_void_p, arr: np.ndarray | PackedInt4) -> c_void_p:
     """An OrtValue over `arr`'s own memory (no copy): the array must outlive the value."""
-    shape = (c_int64 * max(arr.ndim, 1))(*arr.shape)  # ORT copies the shape
+    if isinstance(arr, PackedInt4):
+        data, dims, elem = arr.packed, arr.shape, _ONNX_INT4
+    else:
+        data, dims, elem = arr, arr.shape, _ONNX_OF_DTYPE[arr.dtype.name]
+    shape = (c_int64 * max(len(dims), 1))(*dims)  # ORT copies the shape
     value = c_void_p()
-    api.CreateTensorWithDataAsOrtValue(mem_info, arr.ctypes.data, arr.nbytes, shape, arr.ndim,
-                                       _ONNX_OF_DTYPE[arr.dtype.name], byref(value))
+    api.CreateTensorWithDataAsOrtValue(mem_info, data.ctypes.data, data.nbytes, shape, len(dims), elem, byref(value))
     return value
 
 
@@ -286,27 +293,29 @@ class Env(_Closable):
         created afterwards gets all of them via AddInitializer; the arrays are kept alive until close()."""
         self._check_open()
         for name, arr in tensors.items():
-            _check_array("weight", name, arr)
+            _check_array("weight", name, arr.packed if isinstance(arr, PackedInt4) else arr)
             if name in self._weights:  # sessions may already point at the old OrtValue: replacing would be unsafe
                 raise ValueError(f"weight {name!r} is already registered")
         for name, arr in tensors.items():
             self._weights[name] = (arr, _tensor(self._api, self._mem_info, arr))
 
-    def create_session(self, model_path: str, prepack: bool = True, optimization_level: str = "all") -> Session:
+    def create_session(self, model_path: str, prepack: bool = True, optimization_level: str = "all",
+                       config: dict[str, str] | None = None) -> Session:
         """A session over `model_path` whose initializers come from add_weights() wherever the names match (ORT
         ignores registered names the model lacks) and whose packed weights live in this Env's container."""
         self._check_open()
         if optimization_level not in _OPT_LEVELS:
             raise ValueError(f"optimization_level must be one of {sorted(_OPT_LEVELS)}, got {optimization_level!r}")
         try:
-            return self._create_session(model_path, prepack, optimization_level, self._global_pool)
+            return self._create_session(model_path, prepack, optimization_level, self._global_pool, config or {})
         except CapiError as e:
             if not (self._global_pool and "CreateEnvWithGlobalThreadPools" in str(e)):
                 raise
             _POOL["usable"] = self._global_pool = False  # the env predates us: no global pool to share
-            return self._create_session(model_path, prepack, optimization_level, False)
+            return self._create_session(model_path, prepack, optimization_level, False, config or {})
 
-    def _create_session(self, model_path: str, prepack: bool, optimization_level: str, global_pool: bool) -> Session:
+    def _create_session(self, model_path: str, prepack: bool, optimization_level: str, global_pool: bool,
+                        config: dict[str, str]) -> Session:
         api = self._api
         options, session = c_void_p(), c_void_p()
         api.CreateSessionOptions(byref(options))
@@ -321,6 +330,8 @@ class Env(_Closable):
                 api.AddSessionConfigEntry(options, b"session.intra_op.allow_spinning", b"0")
             if self._shared_arena:
                 api.AddSessionConfigEntry(options, b"session.use_env_allocators", b"1")
+            for key, value in config.items():  # what the graph needs (quantized graphs: graphs/quant.py)
+                api.AddSessionConfigEntry(options, key.encode(), str(value).encode())
             api.SetSessionExecutionMode(options, _ORT_SEQUENTIAL)
             api.SetSessionGraphOptimizationLevel(options, _OPT_LEVELS[optimization_level])
             if not prepack:

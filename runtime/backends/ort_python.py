@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
+from ...graphs.quant import PackedInt4
 from . import map_weights, release_pages, trim_heap
 
 _PROVIDERS = {
@@ -83,15 +84,20 @@ class OrtBackend:
             return
         mapped, tensors = map_weights(path, index)
         self._maps.append(mapped)
-        # The session options do not keep these alive: we do, as long as the backend lives.
-        self._weights[path] = {n: self._ort.OrtValue.ortvalue_from_numpy(a) for n, a in tensors.items()}
+        # The session options do not keep these alive: we do, as long as the backend lives. The Python API
+        # cannot wrap packed int4 bytes as an int4 OrtValue: those tensors ORT reads from the file itself.
+        self._weights[path] = {n: self._ort.OrtValue.ortvalue_from_numpy(a) for n, a in tensors.items()
+                               if not isinstance(a, PackedInt4)}
 
-    def load(self, graph_path: str, weights_path: str, prepack: bool = True) -> OrtSession:
+    def load(self, graph_path: str, weights_path: str, prepack: bool = True,
+             config: dict[str, str] | None = None) -> OrtSession:
         so = self._ort.SessionOptions()
         if self.threads:
             so.intra_op_num_threads = self.threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        for key, value in (config or {}).items():  # what the graph needs (quantized graphs: graphs/quant.py)
+            so.add_session_config_entry(key, str(value))
         if not prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
         for name, value in self._weights[weights_path].items():  # names the graph does not use are ignored

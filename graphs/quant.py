@@ -1,0 +1,179 @@
+"""Weight-only quantization: the numbers behind `--quant int8|int4`, and how the graph stores them.
+
+Layout (the one onnxruntime, TensorRT and QNN all read): a MatMul weight W [K, N] (x @ W) becomes
+
+    W_q     int8 or int4 [K, N]   signed, symmetric (no zero point): W ~= W_q * scale
+    W_scale float32 [K/block, N]  one scale per `block` consecutive input rows of each output column
+
+and the graph computes `MatMul(x, DequantizeLinear(W_q, W_scale, axis=0, block_size=block))`, standard ONNX
+at opset 21. onnxruntime rewrites that pair into its MatMulNBits kernel (int4 and, since 1.2x, int8); at
+accuracy level 4 (int8 activations, blockwise) that kernel computes every row of an M-row call bitwise like
+a one-row call (measured for M = 2..17, int4 and int8), which is what keeps speculative verification of k
+rows exactly equal to k one-row decode steps. At level 1 (float activations) rows differ in the last bits.
+
+The embedding table [V, E] is stored int8 in blocks along E (`Gather` of rows and of their scales, then a
+blocked `DequantizeLinear` on axis 1): a step reads B*T rows, so its format costs no speed, only bytes.
+The LM head (tied or not) is a MatMul weight of its own, [E, V], quantized with `head_bits`. GGUF Q8_0 and
+Q4_0 tensors already are such blocks (32 along the input dimension) and are copied without requantizing.
+
+int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+QUANT_MODES = ("none", "int8", "int4")
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two in 16..256: what MatMulNBits takes
+QUANT_OPSET = 21  # DequantizeLinear with block_size and int4 weights
+QUANT_IR_VERSION = 10  # the IR that introduced int4
+ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
+# onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
+# their residual Add into a float Gemm *before* the DequantizeLinear + MatMul -> MatMulNBits fusion runs,
+# leaving those weights dequantized at every step (measured: 63% of a step in DequantizeLinear).
+ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": str(ACCURACY_LEVEL),
+                      "optimization.disable_specified_optimizers": "MatMulAddFusion"}
+_QMAX = {8: 127, 4: 7}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one model's weights are stored: the named choices the step graph makes for a quantized flavour."""
+
+    bits: int  # 8 or 4, for every layer MatMul
+    block: int  # input rows per scale
+    head_bits: int  # the LM head's bits (8 or 4)
+    embed: str = "int8"  # the embedding table [V, E]: int8 in blocks of `block` along E
+
+    @property
+    def weight_type(self) -> str:
+        return f"int{self.bits}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "weights": self.weight_type, "scheme": "symmetric, blockwise along K, no zero point",
+                "opset": QUANT_OPSET, "onnxruntime_session_config": dict(ORT_SESSION_CONFIG),
+                "targets": targets(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "QuantSpec":
+        return cls(bits=int(d["bits"]), block=int(d["block"]), head_bits=int(d["head_bits"]),
+                   embed=str(d.get("embed", "int8")))
+
+
+def targets(spec: QuantSpec) -> list[str]:
+    """Runtimes whose importers take this layout (symmetric signed blocks, no zero point)."""
+    out = ["onnxruntime"]
+    if spec.bits == 4 and spec.head_bits == 4 and spec.block in (64, 128):
+        out.append("tensorrt")  # TensorRT's int4 weight-only DequantizeLinear takes 64/128 blocks
+    if spec.bits == 8 and spec.head_bits == 8:
+        out.append("tensorrt")  # int8 weight-only DequantizeLinear (per-block along K)
+    return out
+
+
+def parse_quant(mode: str, block: int | None, head: str | None = None) -> QuantSpec | None:
+    """The spec for `--quant MODE --quant-block N --quant-head H`; ValueError with a one-line message."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"--quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
+    if mode == "none":
+        if block is not None or head is not None:
+            raise ValueError("--quant-block and --quant-head need --quant int8 or int4")
+        return None
+    bits = int(mode[3:])
+    block = 32 if block is None else block
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"--quant-block must be a power of two in 16..256 ({', '.join(map(str, BLOCK_SIZES))}), not {block}")
+    head = head or "int8"
+    if head not in ("int8", "int4"):
+        raise ValueError(f"--quant-head must be int8 or int4, not {head!r}")
+    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]))
+
+
+# -- numerics -----------------------------------------------------------------------------------------
+def quantize_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Round-to-nearest symmetric quantization of W [K, N] in blocks of `block` rows along K.
+
+    Returns (q int8 [K, N] with values in -qmax..qmax, scale float32 [ceil(K/block), N]); W ~= q * scale. The
+    scale maps the block's largest magnitude to qmax (7 or 127), so -8 / -128 is never used and the grid is
+    symmetric; an all-zero block gets scale 1 (any scale represents it exactly). A last block shorter than
+    `block` is allowed (ONNX's blocked DequantizeLinear has ceil(K/block) scale rows)."""
+    K, N = w.shape
+    nb = -(-K // block)
+    qmax = _QMAX[bits]
+    padded = np.zeros((nb * block, N), np.float32)
+    padded[:K] = w
+    blocks = padded.reshape(nb, block, N)
+    amax = np.abs(blocks).max(axis=1)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[:, None, :]), -qmax, qmax).astype(np.int8)
+    return q.reshape(nb * block, N)[:K], scale
+
+
+def dequantize_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """q [K, N] * scale [ceil(K/block), N], in float32: what DequantizeLinear(axis=0) computes."""
+    K = q.shape[0]
+    return q.astype(np.float32) * np.repeat(scale, block, axis=0)[:K]
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int8 values in -8..7 -> ONNX int4 bytes (two per byte, element i in byte i//2, low nibble first)."""
+    flat = q.reshape(-1).astype(np.int8)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.int8)])
+    nibbles = (flat.view(np.uint8) & 0x0F).reshape(-1, 2)
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The inverse of pack_int4: int8 values in -8..7 of `shape`."""
+    n = int(np.prod(shape))
+    pairs = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)[:n].astype(np.int8)
+    return np.where(pairs > 7, pairs - 16, pairs).astype(np.int8).reshape(shape)
+
+
+def relative_error(w: np.ndarray, approx: np.ndarray) -> float:
+    """||W - approx|| / ||W|| (Frobenius): the error a quantization introduced into one tensor."""
+    norm = float(np.linalg.norm(w))
+    return float(np.linalg.norm(w - approx)) / norm if norm else 0.0
+
+
+@dataclass
+class Blocks:
+    """A weight already in the ONNX layout: q [K, N] int8 values, scale [K/block, N], and its bits."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    bits: int
+    block: int
+
+    @staticmethod
+    def concat(parts: list["Blocks"]) -> "Blocks":
+        """Fuse weights along N (q/k/v, gate/up): blocks run along K, so columns simply sit side by side."""
+        return Blocks(np.concatenate([p.q for p in parts], axis=1), np.concatenate([p.scale for p in parts], axis=1),
+                      parts[0].bits, parts[0].block)
+
+
+@dataclass
+class PackedInt4:
+    """An int4 tensor as stored: `packed` bytes (pack_int4) of a logical `shape`. numpy has no int4 dtype, so
+    the weights file writer, the weights-file mapper and the backends carry int4 tensors in this wrapper."""
+
+    packed: np.ndarray  # uint8 [ceil(prod(shape) / 2)]
+    shape: tuple[int, ...]
+
+    dtype_name = "int4"
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes)
+
+    @staticmethod
+    def from_values(q: np.ndarray) -> "PackedInt4":
+        return PackedInt4(pack_int4(q), tuple(q.shape))
+
+    def values(self) -> np.ndarray:
+        return unpack_int4(self.packed, self.shape)
+
+
+def int4_nbytes(shape: tuple[int, ...]) -> int:
+    return (int(np.prod(shape)) + 1) // 2
