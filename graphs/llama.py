@@ -191,7 +191,10 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
         found = [native(n) for n, _ in parts] if native else [None]
-        if all(b is not None and (b.bits, b.block) == (bits, quant.block) for b in found):
+        # A source's int4 blocks fit int8 exactly (same ints, same scales): widening loses nothing.
+        if all(b is not None and b.bits <= bits and b.block == quant.block for b in found):
+            for b in found:
+                b.bits = bits
             for b, (_, factor) in zip(found, parts):
                 if factor != 1:
                     b.scale = (b.scale * factor).astype(np.float32)  # the ints stay as the source stored them

@@ -52,7 +52,7 @@ def _add_export(sub) -> None:
                    help="input rows per quantization scale, a power of two in 16..256 (default 32; TensorRT's "
                    "int4 import takes 64 or 128)")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
-                   help="the LM head's type under --quant (default int8: see benchmarks/quality.md)")
+                   help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true", help="add the optional step_mask input (tree verification)")
@@ -191,7 +191,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--fixed-gamma", action="store_true", help="always propose gamma drafts (no adaptation)")
     p.add_argument("--compare", type=_names, default=None, metavar="PEERS",
-                   help="also run peers: transformers, ort-genai (each needs its package installed)")
+                   help="also run peers: transformers, ort-genai, ort-genai-int4 (each needs its package installed)")
     p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
     p.add_argument("--json", metavar="OUT", help="write every run and the summary as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a plot: tokens/s by configuration, acceptance by position")

@@ -72,7 +72,8 @@ class ContractDriver:
     """Runs a bundle's graphs by hand through the contract (onnxruntime's Python API): the host side of the
     contract, written independently of specedge.runtime so the tests check the graphs, not the runtime."""
 
-    def __init__(self, bundle: str, model: str = "target", poison: float | None = None, seed: int = 0):
+    def __init__(self, bundle: str, model: str = "target", poison: float | None = None, seed: int = 0,
+                 session_config: dict[str, str] | None = None):
         import onnxruntime as ort
 
         from specedge.graphs.manifest import load_manifest
@@ -82,6 +83,8 @@ class ContractDriver:
         self.dims = self.entry.dims
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        for key, value in (session_config or {}).items():
+            so.add_session_config_entry(key, value)
         self.sessions = {(g.role, g.tokens): ort.InferenceSession(os.path.join(bundle, g.file), so,
                                                                   providers=["CPUExecutionProvider"])
                          for g in self.entry.graphs if g.context == self.dims.context}

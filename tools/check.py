@@ -98,6 +98,11 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
     report.add(ok, f"{label}: {len(proto.graph.node)} nodes, standard domain only, opset {opset}" if ok else
                f"{label}: opsets {sorted(domains)}, non-standard node domains {foreign} (manifest says opset {opset})")
 
+    problems = _check_quant(proto, model)
+    spec = model.quant_spec
+    flavour = f"{spec.weight_type} weights in blocks of {spec.block}, head int{spec.head_bits}" if spec else "float weights"
+    report.add(not problems, f"{label}: {flavour} as the manifest says" if not problems else f"{label}: " + "; ".join(problems[:3]))
+
     bad = []
     for init in proto.graph.initializer:
         if init.data_location != onnx.TensorProto.EXTERNAL:
@@ -122,6 +127,50 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
 
     if load:
         _check_loads(bundle, model, graph, label, report)
+
+
+def _check_quant(proto, model: ModelEntry) -> list[str]:
+    """Weight products against the manifest's quant record: each MatMul weight is a stored int weight through a
+    symmetric (no zero point) blocked DequantizeLinear on axis 0 of the declared type and block, or a float
+    weight when the model is not quantized."""
+    import onnx
+
+    spec = model.quant_spec
+    inits = {i.name: i for i in proto.graph.initializer}
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    problems = []
+    for node in proto.graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+            continue
+        weight = node.input[1]
+        dq = producers.get(weight)
+        if spec is None:
+            if dq is not None and dq.op_type == "DequantizeLinear":
+                problems.append(f"{node.name} reads a DequantizeLinear weight, but the manifest has no quant record")
+            continue
+        if weight in inits and inits[weight].data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) \
+                and len(inits[weight].dims) == 2 and inits[weight].dims[0] > 1 and weight in _weight_names(model):
+            problems.append(f"{node.name} reads float weight {weight} in a {spec.weight_type} bundle")
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute}
+        stored = inits.get(dq.input[0])
+        bits = spec.head_bits if dq.input[0].startswith("lm_head") else spec.bits
+        want_type = onnx.TensorProto.INT4 if bits == 4 else onnx.TensorProto.INT8
+        if stored is None or stored.data_type != want_type:
+            problems.append(f"{dq.input[0]} is not stored as int{bits}")
+        if attrs.get("block_size") != spec.block or attrs.get("axis", 1) != 0:
+            problems.append(f"{dq.input[0]}: block {attrs.get('block_size')} on axis {attrs.get('axis', 1)}, "
+                            f"the manifest says block {spec.block} on axis 0")
+        if len(dq.input) > 2 and dq.input[2]:
+            problems.append(f"{dq.input[0]} has a zero point; the layout is symmetric")
+    return problems
+
+
+def _weight_names(model: ModelEntry) -> set[str]:
+    """Float weight matrices a quantized graph must not contain (rope tables and norms are not products)."""
+    return {"embed", "lm_head"} | {f"layers.{i}.{m}" for i in range(model.dims.num_layers)
+                                   for m in ("qkv", "o", "gate_up", "down")}
 
 
 def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, report: Report) -> None:

@@ -4,14 +4,25 @@ A speed ratio against a peer is only meaningful when both numbers come from one 
 same thermal state, same prompts, same thread count. So the peers live here, behind one small interface,
 and the bench calls them right next to its own runs:
 
-    peer = load_peer("ort-genai", gguf_path, threads=2, cache_dir=cache)
+    peer = load_peer("ort-genai", gguf_path, threads=2, cache_dir=cache)   # or "ort-genai-int4", "transformers"
     for config in peer.configs:
         result = peer.generate(prompt_ids, max_new_tokens=128, config=config)
 
-Both peers run the *same* float32 model: the Q4_1 GGUF dequantized by transformers. The transformers peer
-uses that model directly; the ORT GenAI peer gets an ONNX export of it made by ORT GenAI's own model
-builder from a Hugging Face directory we write out of the dequantized weights. Quantized peers would
-measure a different model, and their tokens could not be compared with ours.
+The `transformers` and `ort-genai` peers run the *same* float32 model as our float32 bundles: the Q4_1
+GGUF dequantized by transformers. The transformers peer uses that model directly; the ORT GenAI peer gets an
+ONNX export of it made by ORT GenAI's own model builder from a Hugging Face directory we write out of the
+dequantized weights.
+
+`ort-genai-int4` is ORT GenAI's int4 CPU model of that same float32 model, built by the same builder with
+`-p int4` and its default quantization (round-to-nearest, symmetric, blocks of 32, accuracy level 4). It is
+the peer for our int4 bundles (`specedge export --quant int4`), not for the float32 ones. Its tokens differ
+from the float32 model's, and from our int4 bundles' too: the two int4 models quantize the same weights
+with different choices (our embedding and LM head are int8 by default, ORT GenAI's int4 RTN quantizes every
+MatMul and the tied embedding/LM head to int4, with the full -8..7 range), so the bench's "identical output"
+column, which compares every system with our own plain decode, holds for this peer only where the two
+happen to agree (top-1 agreement between the two int4 models is about 60% per position on
+benchmarks/quality/text.txt). Compare its speed with our int4 bundles, and quality with
+`python -m specedge.tools.quality` (benchmarks/quality/README.md).
 
 Every run is greedy and produces exactly `max_new_tokens` tokens: EOS is suppressed until then
 (`min_new_tokens` / `min_length`), because a peer that stops early on EOS would report a rate over a
@@ -40,7 +51,8 @@ from ..errors import BackendError, GenerationError
 # What to tell a user who lacks a peer's packages. Both peers need torch + transformers: the ORT GenAI
 # peer uses them (once) to dequantize the GGUF and write the directory its model builder reads.
 _TORCH_HINT = "pip install 'specedge[peers]'  (or: pip install torch transformers accelerate)"
-_ORT_GENAI_HINT = "pip install 'specedge[peers]'  (or: pip install onnxruntime-genai torch transformers accelerate)"
+_ORT_GENAI_HINT = ("pip install 'specedge[peers]' onnx-ir  (or: pip install onnxruntime-genai onnx-ir torch "
+                   "transformers accelerate); its model builder imports onnx_ir")
 
 # The ORT GenAI n-gram setting we compare against: match the last 2 tokens (n=3), propose up to 8,
 # chained lookup on, fixed width (min_adaptive_k=0: ORT GenAI's docs recommend a fixed K for controlled
@@ -234,24 +246,35 @@ def _import_og():
     return og
 
 
-def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None) -> str:
-    """The ORT GenAI fp32 CPU model folder for this GGUF, built once and cached under `cache_dir`.
+# The builder precisions a peer can ask for. int4 is the builder's own default int4 CPU recipe (`-p int4 -e cpu`
+# and no extra options: its default RTN quantizer, symmetric, block 32, accuracy level 4).
+ORT_GENAI_PRECISIONS = ("fp32", "int4")
 
-    The folder name carries the GGUF's digest and the onnxruntime-genai version (a newer builder may
-    export differently), so a changed input gets a fresh build instead of a stale one. The build happens in
-    a scratch folder that is renamed into place only when complete, so an interrupted build is never
+
+def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None, precision: str = "fp32") -> str:
+    """The ORT GenAI CPU model folder (`precision` fp32 or int4) for this GGUF, built once and cached under
+    `cache_dir`.
+
+    The folder name carries the GGUF's digest, the precision and the onnxruntime-genai version (a newer
+    builder may export differently), so a changed input gets a fresh build instead of a stale one. The build
+    happens in a scratch folder that is renamed into place only when complete, so an interrupted build is never
     mistaken for a finished one.
     """
+    if precision not in ORT_GENAI_PRECISIONS:
+        raise GenerationError(f"ORT GenAI precision must be one of {', '.join(ORT_GENAI_PRECISIONS)}, "
+                              f"not {precision!r}")
     og = _import_og()
+    if not os.path.isfile(gguf_path):
+        raise BackendError(f"no GGUF file at {gguf_path}")
     digest = _file_digest(gguf_path)
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    out_dir = os.path.join(cache_dir, "ort-genai", f"{stem}-{digest[:16]}-fp32-cpu-ogenai{og.__version__}")
+    out_dir = os.path.join(cache_dir, "ort-genai", f"{stem}-{digest[:16]}-{precision}-cpu-ogenai{og.__version__}")
     marker = os.path.join(out_dir, "specedge-peer.json")
     if os.path.isfile(marker):
         return out_dir
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     say = log or (lambda msg: print(msg, file=sys.stderr))
-    say(f"ort-genai: building its fp32 CPU model once, into {out_dir}")
+    say(f"ort-genai: building its {precision} CPU model once, into {out_dir}")
     work = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(out_dir))
     try:
         # 1. A Hugging Face folder holding the dequantized float32 weights: the builder's input format.
@@ -270,8 +293,9 @@ def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None) -> str:
         #    and memory stay out of the bench. Default options: no prune_lm_head (n-gram decoding needs
         #    logits for every position, and the plain runs should use the same model file).
         built = os.path.join(work, "model")
+        builder_args = ["-p", precision, "-e", "cpu"]
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder",
-               "-i", hf_dir, "-o", built, "-p", "fp32", "-e", "cpu", "-c", os.path.join(work, "builder-cache")]
+               "-i", hf_dir, "-o", built, *builder_args, "-c", os.path.join(work, "builder-cache")]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             tail = proc.stdout[-3000:]
@@ -280,7 +304,8 @@ def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None) -> str:
             raise BackendError(f"onnxruntime-genai's model builder failed ({proc.returncode}):\n{tail}")
         with open(os.path.join(built, "specedge-peer.json"), "w") as f:
             json.dump({"gguf": os.path.basename(gguf_path), "gguf_sha256": digest,
-                       "onnxruntime_genai": og.__version__, "builder_args": ["-p", "fp32", "-e", "cpu"]}, f, indent=1)
+                       "onnxruntime_genai": og.__version__, "precision": precision,
+                       "builder_args": builder_args}, f, indent=1)
         try:
             os.replace(built, out_dir)
         except OSError:
@@ -292,7 +317,8 @@ def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None) -> str:
 
 
 class OrtGenaiPeer(Peer):
-    """onnxruntime-genai's Generator loop (append_tokens, generate_next_token) on its fp32 CPU export.
+    """onnxruntime-genai's Generator loop (append_tokens, generate_next_token) on its CPU export, fp32
+    (peer `ort-genai`) or the builder's default int4 (peer `ort-genai-int4`).
 
     TTFT is the time to the end of the first generate_next_token(): append_tokens() runs the prefill and
     the first call picks the token from its logits. With n-gram decoding ORT GenAI verifies several
@@ -301,11 +327,13 @@ class OrtGenaiPeer(Peer):
 
     name = "ort-genai"
 
-    def __init__(self, gguf_path: str, threads: int, cache_dir: str):
+    def __init__(self, gguf_path: str, threads: int, cache_dir: str, precision: str = "fp32"):
         og = _import_og()
         self._og = og
         self._np = __import__("numpy")
-        self.model_dir = build_ort_genai_model(gguf_path, cache_dir)
+        self.precision = precision
+        self.name = "ort-genai" if precision == "fp32" else f"ort-genai-{precision}"
+        self.model_dir = build_ort_genai_model(gguf_path, cache_dir, precision=precision)
         config = og.Config(self.model_dir)
         config.clear_providers()  # CPU
         if threads and not hasattr(config, "overlay"):
@@ -368,11 +396,13 @@ class OrtGenaiPeer(Peer):
 PEERS = {
     "transformers": lambda gguf_path, threads, cache_dir: TransformersPeer(gguf_path, threads),
     "ort-genai": lambda gguf_path, threads, cache_dir: OrtGenaiPeer(gguf_path, threads, cache_dir),
+    "ort-genai-int4": lambda gguf_path, threads, cache_dir: OrtGenaiPeer(gguf_path, threads, cache_dir, "int4"),
 }
 
 
 def load_peer(name: str, gguf_path: str, threads: int, cache_dir: str) -> Peer:
-    """Load a peer on the GGUF's float32 model; raises PeerUnavailable if its packages are missing.
+    """Load a peer on the GGUF's float32 model (int4-quantized by ORT GenAI's builder for `ort-genai-int4`);
+    raises PeerUnavailable if its packages are missing.
 
     `threads` is the intra-op thread count, as for our own runs; 0 leaves the peer's library default.
 

@@ -1,0 +1,326 @@
+"""Weight-only quantized bundles (--quant int8|int4): layout, export, parity with a dequantized oracle, GGUF
+blocks copied bit for bit, exact speculation on quantized graphs, and bad input.
+
+The oracles are independent of the exporter: onnx's own int4 decoder for the packing, transformers running
+the dequantized weights (read back from the bundle's weights file and dequantized here with numpy) for the
+logits, gguf's own dequantizer for the GGUF blocks, and plain greedy decode for speculative output."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from models import ContractDriver, make_hf_model
+
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.graphs import quant as Q
+from specedge.graphs.manifest import load_manifest, read_index, weights_index_file
+from specedge.runtime.generator import Generator
+from specedge.tools.check import check_bundle
+
+CHUNK = 16
+
+
+# -- layout and numerics ------------------------------------------------------------------------------
+def test_int4_packing_matches_onnx_decoder():
+    rng = np.random.default_rng(0)
+    for shape in [(64, 48), (7, 3), (1,)]:
+        q = rng.integers(-8, 8, shape).astype(np.int8)
+        packed = Q.pack_int4(q)
+        t = helper.make_tensor("w", TensorProto.INT4, list(shape), packed.tobytes(), raw=True)
+        np.testing.assert_array_equal(numpy_helper.to_array(t).astype(np.int8), q)
+        np.testing.assert_array_equal(Q.unpack_int4(packed, shape), q)
+
+
+@pytest.mark.parametrize("bits,block,K", [(4, 32, 64), (8, 32, 96), (4, 128, 576), (8, 16, 40)])
+def test_quantize_blocks_is_symmetric_round_to_nearest(bits, block, K):
+    rng = np.random.default_rng(bits + block)
+    w = rng.standard_normal((K, 24)).astype(np.float32)
+    w[:block, 0] = 0  # an all-zero block stays exactly zero
+    q, scale = Q.quantize_blocks(w, bits, block)
+    qmax = 7 if bits == 4 else 127
+    assert q.dtype == np.int8 and scale.shape == (-(-K // block), 24)
+    assert q.min() >= -qmax and q.max() <= qmax  # symmetric grid: -8 / -128 unused
+    full = np.repeat(scale, block, axis=0)[:K]
+    deq = q.astype(np.float32) * full
+    assert np.all(deq[:block, 0] == 0)
+    # round to nearest: every weight is within half a step of its dequantized value, and the block max is exact
+    assert np.all(np.abs(w - deq) <= full / 2 * (1 + 1e-5))
+    for b in range(-(-K // block)):
+        rows = slice(b * block, min(K, (b + 1) * block))
+        assert np.allclose(np.abs(deq[rows]).max(axis=0)[1:], np.abs(w[rows]).max(axis=0)[1:], rtol=1e-6)
+
+
+def test_parse_quant_rejects_bad_values():
+    assert Q.parse_quant("none", None) is None
+    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8)
+    for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2")]:
+        with pytest.raises(ValueError):
+            Q.parse_quant(*args)
+
+
+# -- export of the tiny families ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quant_bundles(tiny_models, tmp_path_factory):
+    """(family, mode) -> bundle, for every tiny family in int8 and int4 (qwen2's head is tied)."""
+    root = tmp_path_factory.mktemp("quant_bundles")
+    out = {}
+    for family, (path, _) in tiny_models.items():
+        for mode in ("int8", "int4"):
+            bundle = str(root / f"{family}-{mode}")
+            export_bundle(path, bundle, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant=mode,
+                                                      quant_block=16 if family == "qwen3" else 32),
+                          progress=False)
+            out[family, mode] = bundle
+    return out
+
+
+def test_quantized_bundles_pass_check_and_are_standard_domain(quant_bundles):
+    for (family, mode), bundle in quant_bundles.items():
+        report = check_bundle(bundle)
+        assert report.ok, f"{family} {mode}:\n{report.render()}"
+        manifest = load_manifest(bundle)
+        assert manifest.opset == Q.QUANT_OPSET
+        quant = manifest.target.quant
+        assert quant["weights"] == mode and quant["scheme"].startswith("symmetric")
+        for g in manifest.target.graphs:
+            proto = onnx.load(os.path.join(bundle, g.file), load_external_data=False)
+            assert {(o.domain, o.version) for o in proto.opset_import} == {("", Q.QUANT_OPSET)}
+            assert all(n.domain == "" for n in proto.graph.node)
+            dq = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+            matmul_inputs = {i for n in proto.graph.node if n.op_type == "MatMul" for i in n.input}
+            # every weight product reads a DequantizeLinear of a stored int weight; no float weight matrix is left
+            assert sum(n.output[0] in matmul_inputs for n in dq) == 4 * manifest.target.dims.num_layers + (g.role == "step")
+            stored = {i.name: i.data_type for i in proto.graph.initializer}
+            want = TensorProto.INT4 if mode == "int4" else TensorProto.INT8
+            assert all(stored[n.input[0]] == want for n in dq if n.output[0] in matmul_inputs and "lm_head" not in n.input[0])
+
+
+def _dequantized_state(bundle: str, cfg) -> dict[str, np.ndarray]:
+    """The bundle's stored weights, dequantized here with numpy and mapped back to transformers' names."""
+    entry = load_manifest(bundle).target
+    index = read_index(os.path.join(bundle, weights_index_file(entry.weights)))
+    raw = np.fromfile(os.path.join(bundle, entry.weights), dtype=np.uint8)
+    block = entry.quant["block"]
+
+    def tensor(name):
+        ref = index[name]
+        data = raw[ref.offset:ref.offset + ref.length]
+        if ref.dtype == "int4":
+            t = helper.make_tensor(name, TensorProto.INT4, list(ref.shape), data.tobytes(), raw=True)
+            return numpy_helper.to_array(t).astype(np.float32)
+        return data.view(ref.dtype).reshape(ref.shape).astype(np.float32)
+
+    def deq(name, axis=0):  # blocks of `block` along `axis`
+        q, s = tensor(name + ".q"), tensor(name + ".scale")
+        return q * np.repeat(s, block, axis=axis)[tuple(slice(0, d) for d in q.shape)]
+
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    qk_norm = cfg.model_type == "qwen3"
+    state = {"model.embed_tokens.weight": deq("embed", axis=1), "lm_head.weight": deq("lm_head").T,
+             "model.norm.weight": tensor("norm")}
+    for i in range(cfg.num_hidden_layers):
+        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = deq(p + "qkv").T
+        state[a + "q_proj.weight"] = qkv[:H * D] * (1.0 if qk_norm else np.sqrt(D))
+        state[a + "k_proj.weight"], state[a + "v_proj.weight"] = qkv[H * D:(H + Hkv) * D], qkv[(H + Hkv) * D:]
+        state[a + "o_proj.weight"] = deq(p + "o").T
+        gate_up = deq(p + "gate_up").T
+        state[m + "gate_proj.weight"], state[m + "up_proj.weight"] = np.split(gate_up, 2)
+        state[m + "down_proj.weight"] = deq(p + "down").T
+    return state
+
+
+def _oracle_logits(hf_model, bundle, tokens):
+    """transformers with the bundle's dequantized weights (an untied head: the head is quantized on its own)."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(hf_model)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in _dequantized_state(bundle, model.config).items():
+            params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_graphs_match_dequantized_oracle(quant_bundles, tiny_models, family, mode):
+    """Float activations (accuracy level 1): within 1e-5 of the logit scale (the issue asks 1e-3). With int8
+    activations (level 4, what the runtime uses) each 32-wide block of every MatMul input is rounded to 1/254
+    of its largest value: 2% of the logit scale bounds that error (measured 0.6-1.0%; float activations: 2-4e-7)."""
+    bundle = quant_bundles[family, mode]
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 1000, 21).tolist()
+    want = _oracle_logits(tiny_models[family][1], bundle, tokens)
+    scale = np.abs(want).max()
+    for level, tol in (("1", 1e-5), ("4", 2e-2)):
+        drv = ContractDriver(bundle, session_config={**load_manifest(bundle).target.session_config,
+                                                     "session.qdq_matmulnbits_accuracy_level": level})
+        drv.step(tokens[:CHUNK], "prefill", CHUNK)
+        got = drv.step(tokens[CHUNK:CHUNK + 5], "step", 5)[0]  # rows predict tokens CHUNK+1 .. CHUNK+5
+        err = np.abs(got - want[CHUNK:CHUNK + 5]).max() / scale
+        assert err < tol, f"{family} {mode} level {level}: max error {err:.2e} of the logit scale {scale:.1f}"
+
+
+# -- GGUF blocks ----------------------------------------------------------------------------------------
+def _write_gguf(path: str, types: dict[str, str]) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF (hidden 64, 2 heads of 32, 1 KV head) whose matrices have the given GGML types;
+    returns the float tensors it was made from, by GGUF name."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    E, F, V = 64, 128, 96
+    shapes = {"token_embd.weight": (V, E), "blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (32, E),
+              "blk.0.attn_v.weight": (32, E), "blk.0.attn_output.weight": (E, E), "blk.0.ffn_gate.weight": (F, E),
+              "blk.0.ffn_up.weight": (F, E), "blk.0.ffn_down.weight": (E, F)}
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in (("block_count", 1), ("embedding_length", E), ("feed_forward_length", F),
+                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("vocab_size", V)):
+        getattr(w, "add_uint32")(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    made = {}
+    for name, shape in shapes.items():
+        t = rng.standard_normal(shape).astype(np.float32)
+        made[name] = t
+        kind = gguf.GGMLQuantizationType[types.get(name, "F32")]
+        if kind == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, np.ones(E, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return made
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits):
+    """Q4_0 / Q8_0 tensors enter the ONNX layout without a dequantize/requantize round trip: their ints and
+    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives."""
+    import gguf
+
+    from specedge.export.sources import GGUFSource
+    from specedge.graphs import llama
+
+    path = str(tmp_path / "tiny.gguf")
+    matrices = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_output.weight",
+                "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight"]
+    _write_gguf(path, {n: kind for n in matrices})
+    src = GGUFSource(path)
+    reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        if t.name not in matrices:
+            continue
+        hf_name = src._hf_name(t.name)
+        b = src.blocks(hf_name)
+        assert (b.bits, b.block) == (bits, 32)
+        # the reference: gguf's dequantizer, with the exporter's q/k row order (tensor() is that path)
+        want = src.tensor(hf_name).T
+        got = b.q.astype(np.float32) * np.repeat(b.scale, 32, axis=0)
+        assert np.array_equal(got, want), hf_name
+        if "attn_q" not in t.name and "attn_k" not in t.name:  # rows in file order: gguf's dequantizer directly
+            assert np.array_equal(got.T, gguf.quants.dequantize(t.data, t.tensor_type).reshape(got.T.shape))
+
+    # through the exporter's weight writer: every matrix copied natively, none requantized, ints unchanged
+    spec = Q.QuantSpec(bits=bits, block=32, head_bits=bits)
+    report = llama.QuantReport()
+    stored = dict(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=spec, native=src.blocks,
+                                      report=report))
+    # qkv, o, gate_up, down, the head, and the int8 embedding (Q4_0 ints widen to int8 exactly)
+    assert not report.requantized and len(report.native) == 4 + 2
+    down = stored["layers.0.down.q"]
+    down = down.values() if bits == 4 else down
+    assert np.array_equal(down, src.blocks("model.layers.0.mlp.down_proj.weight").q)
+
+
+def test_gguf_other_types_are_requantized_and_reported(tmp_path):
+    from specedge.export.sources import GGUFSource
+    from specedge.graphs import llama
+
+    path = str(tmp_path / "tiny.gguf")
+    made = _write_gguf(path, {"blk.0.ffn_down.weight": "Q4_1", "blk.0.ffn_up.weight": "Q8_0"})
+    src = GGUFSource(path)
+    assert src.blocks("model.layers.0.mlp.down_proj.weight") is None  # asymmetric: no native copy
+    report = llama.QuantReport()
+    list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(4, 32, 8), native=src.blocks,
+                             report=report))
+    # gate_up mixes F32 gate with Q8_0 up, so it is requantized too; int4 RTN errors sit near 0.1
+    assert set(report.requantized) >= {"layers.0.down", "layers.0.gate_up", "layers.0.qkv"}
+    assert all(0.01 < e < 0.2 for n, e in report.requantized.items() if n != "lm_head" and n != "embed")
+    assert report.to_json()["worst"] in report.requantized
+    del made
+
+
+# -- exact speculation on quantized graphs ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_path, mode):
+    """Verify rows of a k-row quantized MatMul equal k one-row decode steps bitwise (accuracy level 4), so
+    greedy speculation reproduces the quantized bundle's own plain greedy output exactly."""
+    from test_generate import prompt_of
+
+    out = str(tmp_path / mode)
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                              quant=mode), progress=False)
+    gen = Generator.load(out)
+    try:
+        proposed = accepted = rejected = 0
+        for length in (1, CHUNK + 1, 3 * CHUNK + 5):
+            prompt = prompt_of(length, seed=length)
+            plain = gen.generate(prompt, 40, proposer="none", stop_ids=[]).tokens
+            for proposer in ("ngram", "draft"):
+                for gamma in (1, 2, 4, 8):
+                    res = gen.generate(prompt, 40, proposer=proposer, gamma=gamma, stop_ids=[])
+                    assert res.tokens == plain, (length, proposer, gamma)
+                    proposed += res.stats.proposed
+                    accepted += res.stats.accepted
+                    rejected += res.stats.proposed - res.stats.accepted
+        assert proposed > 0 and accepted > 0 and rejected > 0  # the speculative paths ran, both ways
+    finally:
+        gen.close()
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    (["--quant", "int3"], "--quant must be one of"),
+    (["--quant", "int4", "--quant-block", "48"], "power of two"),
+    (["--quant", "int4", "--quant-block", "512"], "power of two"),
+    (["--quant", "int8", "--quant-block", "8"], "power of two"),
+    (["--quant", "int4", "--dtype", "float16"], "needs --dtype float32"),
+    (["--quant", "int4", "--quant-head", "fp8"], "--quant-head must be"),
+    (["--quant-block", "64"], "need --quant"),
+])
+def test_bad_quant_options_fail_cleanly(tiny_models, tmp_path, args, message):
+    out = tmp_path / "bundle"
+    r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", tiny_models["llama"][0],
+                        "--out", str(out), "--context", "64", "--prefill-chunk", "16", "--quiet", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists() and os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_check_catches_a_quant_record_that_disagrees_with_the_graphs(quant_bundles, tmp_path):
+    import shutil
+
+    bundle = str(tmp_path / "copy")
+    shutil.copytree(quant_bundles["llama", "int4"], bundle)
+    path = os.path.join(bundle, "manifest.json")
+    manifest = json.load(open(path))
+    manifest["models"]["target"]["quant"]["block"] = 64
+    json.dump(manifest, open(path, "w"))
+    report = check_bundle(bundle, load=False)
+    assert not report.ok and "block" in report.render()
