@@ -1,0 +1,84 @@
+"""Plain decode of float32, int8 and int4 bundles of one model, interleaved in one process, and the peak RSS
+of a whole `specedge generate` process for each (loading included).
+
+    python benchmarks/quant_speed.py F32_BUNDLE INT8_BUNDLE INT4_BUNDLE [--prompts tools/prompts/suite.jsonl]
+        [--limit 12] [--max-new-tokens 128] [--threads 2] [--json OUT]
+
+Speed: every prompt runs plain greedy decode (`proposer="none"`, EOS ignored, so every run is the same
+amount of work) on each bundle in turn, so machine drift hits all three alike; the table gives the median
+tokens/s per bundle and its ratio to float32. Memory: one child process per bundle runs the CLI's
+`generate` on the first prompt with prompt lookup (gamma 8) and reports its kernel peak RSS (VmHWM) against
+the weights file plus the KV buffers it allocated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, os, sys
+from specedge.runtime.generator import Generator
+bundle, ids = sys.argv[1], json.loads(sys.argv[2])
+gen = Generator.load(bundle, threads=int(sys.argv[3]))
+gen.generate(ids, 128, proposer="ngram", gamma=8, stop_ids=[])
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+weights = sum(os.path.getsize(os.path.join(bundle, w)) for w in {m.weights for m in gen.manifest.models.values()})
+print(json.dumps({"peak_rss_mb": int(status["VmHWM"].split()[0]) / 1024, "weights_mb": weights / 2**20,
+                  "cache_mb": gen.target.cache.nbytes / 2**20}))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundles", nargs=3, metavar="BUNDLE", help="float32, int8 and int4 bundles of one model")
+    p.add_argument("--prompts", default="tools/prompts/suite.jsonl")
+    p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args()
+
+    from specedge.runtime.generator import Generator
+
+    names = ["float32", "int8", "int4"]
+    gens = [Generator.load(b, threads=a.threads) for b in a.bundles]
+    items = [json.loads(line) for line in open(a.prompts)][: a.limit]
+    prompts = [gens[0].tokenizer.apply_chat_template(item["messages"]) for item in items]
+    for gen in gens:  # sessions created and warm before timing
+        gen.generate(prompts[0], 8, proposer="none", stop_ids=[])
+    rates = {n: [] for n in names}
+    for ids in prompts:
+        for name, gen in zip(names, gens):
+            began = time.perf_counter()
+            out = gen.generate(ids, a.max_new_tokens, proposer="none", stop_ids=[])
+            rates[name].append(len(out.tokens) / (time.perf_counter() - began))
+    for gen in gens:
+        gen.close()
+    medians = {n: statistics.median(r) for n, r in rates.items()}
+
+    memory = {}
+    for name, bundle in zip(names, a.bundles):
+        r = subprocess.run([sys.executable, "-c", CHILD, bundle, json.dumps(prompts[0]), str(a.threads)],
+                           capture_output=True, text=True, check=True)
+        memory[name] = json.loads(r.stdout.strip().splitlines()[-1])
+
+    print(f"plain decode, {len(prompts)} prompts x {a.max_new_tokens} tokens, {a.threads} threads, end to end")
+    print("| bundle | tok/s (median) | vs float32 | peak RSS MB | weights + KV MB | RSS / (weights + KV) |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        m = memory[name]
+        base = m["weights_mb"] + m["cache_mb"]
+        print(f"| {name} | {medians[name]:.1f} | {medians[name] / medians['float32']:.2f}x | {m['peak_rss_mb']:.0f} | "
+              f"{base:.0f} | {m['peak_rss_mb'] / base:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"argv": sys.argv, "rates": rates, "medians": medians, "memory": memory}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
