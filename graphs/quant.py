@@ -161,7 +161,6 @@ class PackedInt4:
     packed: np.ndarray  # uint8 [ceil(prod(shape) / 2)]
     shape: tuple[int, ...]
 
-    dtype_name = "int4"
 
     @property
     def nbytes(self) -> int:
