@@ -10,9 +10,10 @@ Shape of the work, chosen for runtimes that want static shapes and plain ops (se
 * GQA reshapes the queries to [B, H_kv, T*rep, D] instead of repeating K/V per query head.
 * Every node counts on a CPU (a few microseconds each, ~30 layers): T=1 graphs use Reshape where a
   Transpose would only move a size-1 axis, and outputs are produced under their contract names directly.
-* The past is never concatenated with the step (that would copy S slots per layer): scores over the past
-  and over the step are computed separately, joined (they are small), softmaxed, split and applied to
-  past V and step V separately.
+* Position-consistent attention: every row attends over the cache slots in slot order and then its own
+  token, so a T-token verify step computes each row bit for bit like one-token decode (the exactness of
+  greedy speculation rests on it; see build_step_graph). A one-token step reads the past buffers as they
+  are; a T > 1 step scatters its few scores and value rows into copies at their future slots.
 * One additive float mask is built per step and shared by all layers; masks are made with Where on float
   constants, never by casting bool to float.
 * The attention scale is folded into the query weights at export, and cos/sin come from tables in the
@@ -315,24 +316,40 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
         return g.op("Reshape", x, g.ints(B, Hkv, T, D), name=name)
 
-    # One additive mask per step, [B, 1, T*rep, S+T], shared by every layer. Past slot s is visible iff
-    # s < cache_len; step token j is visible to step token i iff j <= i (or step_mask[i, j]); the diagonal
-    # is always visible, so no softmax row is ever fully masked.
+    # Attention is position-consistent: the query at cache slot p reduces over the same vector, in the same
+    # order, whether it runs in a one-token decode step or as row i of a T-token verify step (p = cache_len
+    # + i). Each row attends over S+1 columns: the S cache slots in slot order, then itself. A T > 1 step puts
+    # its own tokens' scores and values at their future slots cache_len + j (ScatterElements), so row i sees
+    # tokens 0..i-1 of the step exactly where a later decode step finds them in the cache, and its own token
+    # in the last column, where a decode step has it. Summing the same terms in another order (past, then
+    # step) changes the last bits, and int8 activations turn that into different greedy tokens. Needs
+    # cache_len + T <= S. One additive mask per step, [B, 1, T*rep, S+1], shared by every layer.
     zero, minus = g.const(0.0, dt), g.const(neg, dt)
-    slots = g.const(np.arange(S, dtype=np.int64))
-    past_ok = g.op("Less", slots, g.op("Unsqueeze", cache_len, g.ints(1)))  # [B, S]
-    past_mask = g.op("Where", past_ok, zero, minus)
-    past_mask = g.op("Expand", g.op("Unsqueeze", past_mask, g.ints(1)), g.ints(B, T, S))  # [B, T, S]
-    if step_mask:
-        seen = g.op("Or", g.input(specs[C.STEP_MASK]), g.const(np.eye(T, dtype=bool)))
-        step_part = g.op("Where", seen, zero, minus)  # [B, T, T]
-    else:
-        causal = np.where(np.tril(np.ones((T, T), dtype=bool)), 0.0, neg)
-        step_part = g.const(np.broadcast_to(causal, (B, T, T)).astype(dt))
-    mask = g.op("Concat", past_mask, step_part, axis=-1)  # [B, T, S+T]
+    slots = g.const(np.arange(S, dtype=np.int64).reshape(1, 1, S))
+    length = g.op("Reshape", cache_len, g.ints(B, 1, 1))
+    if T == 1 or step_mask:
+        slot_ok = g.op("Less", slots, length)  # [B, 1, S]: the past only
+    else:  # row i also sees the step's tokens 0..i-1 at slots cache_len .. cache_len+i-1
+        slot_ok = g.op("Less", slots, g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, T, 1))))
+    slot_mask = g.op("Expand", g.op("Where", slot_ok, zero, minus), g.ints(B, T, S))  # [B, T, S]
+    if step_mask:  # row i sees step token j != i iff step_mask[i, j], at slot cache_len + j
+        seen = g.op("And", g.input(specs[C.STEP_MASK]), g.const(~np.eye(T, dtype=bool)))
+        at_slots = g.op("Expand", g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T))),
+                        g.ints(B, T, T))
+        slot_mask = g.op("ScatterElements", slot_mask, at_slots, g.op("Where", seen, zero, minus), axis=2)
+    mask = g.op("Concat", slot_mask, g.const(np.zeros((B, T, 1), dtype=dt)), axis=-1)  # [B, T, S+1]
     if rep > 1:
-        mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + T))
-    mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + T))
+        mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
+    mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
+    if T > 1:  # where the step's scores, values and own entries go (shared by every layer)
+        step_cols = g.op("Expand", g.op("Add", g.op("Reshape", cache_len, g.ints(B, 1, 1, 1)),
+                                        g.const(np.arange(T, dtype=np.int64).reshape(1, 1, 1, T))),
+                         g.ints(B, Hkv, T * rep, T))  # [B, Hkv, T*rep, T]: slot of step token j
+        step_rows = g.op("Expand", g.op("Add", g.op("Reshape", cache_len, g.ints(B, 1, 1, 1)),
+                                        g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T, 1))),
+                         g.ints(B, Hkv, T, D))  # [B, Hkv, T, D]: slot of step token t's value row
+        own_col = g.const(np.broadcast_to(np.repeat(np.arange(T, dtype=np.int64), rep).reshape(1, 1, T * rep, 1),
+                                          (B, Hkv, T * rep, 1)).copy())  # row t*rep + r -> step token t
 
     # RoPE tables at the step's positions: [B, T, 1, D], broadcast over heads. rotate_half is a constant
     # [D, D] permutation MatMul (exact: one nonzero term per output), the sign lives in the sin table.
@@ -366,10 +383,21 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         q = to_rows(q)
         scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
         scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, T]
-        scores = g.op("Add", g.op("Concat", scores_past, scores_step, axis=-1), mask)
-        probs = g.op("Softmax", scores, axis=-1)
-        probs_past, probs_step = g.op("Split", probs, g.ints(S, T), axis=-1, outputs=2)
-        attn = g.op("Add", g.op("MatMul", probs_past, past_v), g.op("MatMul", probs_step, new_v))
+        if T == 1:  # the step's only token is each row's own: [past | self] is already the slot order
+            scores_slots, scores_own, values = scores_past, scores_step, past_v
+        else:
+            scores_slots = g.op("ScatterElements", scores_past, step_cols, scores_step, axis=3)
+            scores_own = g.op("GatherElements", scores_step, own_col, axis=3)  # [B, Hkv, T*rep, 1]
+            values = g.op("ScatterElements", past_v, step_rows, new_v, axis=2)  # [B, Hkv, S, D]
+        scores = g.op("Add", g.op("Concat", scores_slots, scores_own, axis=-1), mask)  # [B, Hkv, T*rep, S+1]
+        probs_slots, probs_own = g.op("Split", g.op("Softmax", scores, axis=-1), g.ints(S, 1), axis=-1, outputs=2)
+        if T == 1:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below
+            own = g.op("MatMul", probs_own, new_v)
+        else:
+            own = g.op("Mul", g.op("Reshape", probs_own, g.ints(B, Hkv, T, rep, 1)),
+                       g.op("Unsqueeze", new_v, g.ints(3)))  # [B, Hkv, T, rep, D]: row t*rep + r times value t
+            own = g.op("Reshape", own, g.ints(B, Hkv, T * rep, D))
+        attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
         x = g.op("Add", x, linear(from_rows(attn), p + "o"))
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt)

@@ -21,7 +21,10 @@ from ..errors import BundleError
 from . import contract as C
 
 FORMAT = "specedge-bundle"
-VERSION = 1
+# 2: attention became position-consistent (a T-token step reproduces T one-token steps bit for bit, so greedy
+# speculation is exact on quantized graphs too); it needs cache_len + T <= S, and version-1 graphs do not
+# keep speculative output equal to plain output. Re-exporting a version-1 bundle takes seconds.
+VERSION = 2
 MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
 
@@ -193,7 +196,8 @@ def load_manifest(bundle_dir: str) -> Manifest:
     if d.get("format") != FORMAT:
         raise BundleError(f"{path}: format is {d.get('format')!r}, expected {FORMAT!r}")
     if d.get("version") != VERSION:
-        raise BundleError(f"{path}: bundle version {d.get('version')} is not supported (this specedge reads {VERSION})")
+        raise BundleError(f"{path}: bundle version {d.get('version')} is not supported (this specedge reads "
+                          f"{VERSION}; re-export the bundle with this specedge)")
     models = d.get("models") or {}
     if "target" not in models:
         raise BundleError(f"{path}: no models.target")

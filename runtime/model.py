@@ -113,14 +113,15 @@ class ModelRunner:
         return role, t
 
     # -- running -------------------------------------------------------------------------------------
-    def _bucket_for(self, role: str, T: int, n: int) -> int:
-        """The smallest past length, at or above the active one, that holds the cache plus n and has the graph."""
-        need = max(self.cache.bucket, self.cache.used + n)
+    def _bucket_for(self, role: str, T: int) -> int:
+        """The smallest past length, at or above the active one, that has the graph and holds the cache plus
+        all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1."""
+        need = max(self.cache.bucket, self.cache.used + T)
         return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b))
 
     def _execute(self, role: str, T: int, tokens) -> _Step:
         n = len(tokens)
-        self.cache.use_bucket(self._bucket_for(role, T, n))
+        self.cache.use_bucket(self._bucket_for(role, T))
         step = self._step(role, T, self.cache.bucket)
         start = self.cache.used
         step.input_ids[0, :n] = tokens
@@ -137,7 +138,7 @@ class ModelRunner:
         """Move the cache now to the bucket that a run of n tokens will use (see SharedKVCache)."""
         T = self.step_graph_for(n)
         if T is not None:
-            self.cache.use_bucket(self._bucket_for(C.STEP, T, n))
+            self.cache.use_bucket(self._bucket_for(C.STEP, T))
 
     def run(self, tokens) -> np.ndarray:
         """Process tokens in one step graph; return their logits [n, V] (a view, valid until the next run)."""

@@ -84,10 +84,12 @@ def _add_check(sub) -> None:
     p = sub.add_parser("check", help="validate a bundle: manifest vs graphs, static shapes, portable ops, loading",
                        description="Check every graph of a bundle against its manifest and the graph contract: "
                        "I/O names, shapes and dtypes, every dim fixed, standard ONNX domain at the declared opset, "
-                       "onnx.checker full check, weights index vs external data, and loading in onnxruntime. "
-                       "Exit 0 only when everything holds.")
+                       "onnx.checker full check, weights index vs external data, loading in onnxruntime, and exact rows "
+                       "(every T-token graph computes each row bit for bit like one-token decode, which exact greedy "
+                       "speculation needs). Exit 0 only when everything holds.")
     p.add_argument("bundle")
-    p.add_argument("--no-load", action="store_true", help="skip loading each graph in onnxruntime")
+    p.add_argument("--no-load", action="store_true",
+                   help="skip loading each graph in onnxruntime (and the exact-rows comparison)")
 
 
 def _run_check(a) -> int:

@@ -24,7 +24,7 @@ def leftovers(directory):
 def test_bundle_layout_and_manifest(tiny_bundle):
     m = load_manifest(tiny_bundle)
     raw = json.load(open(os.path.join(tiny_bundle, "manifest.json")))
-    assert raw["format"] == "specedge-bundle" and raw["version"] == 1
+    assert raw["format"] == "specedge-bundle" and raw["version"] == 2
     t = m.target
     assert sorted((g.role, g.tokens) for g in t.graphs) == [
         (C.PREFILL, CHUNK), (C.STEP, 1), (C.STEP, 2), (C.STEP, 3), (C.STEP, 5), (C.STEP, 9)]
@@ -63,6 +63,28 @@ def test_check_passes_on_a_good_bundle(tiny_bundle):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bundle OK" in r.stdout and "FAIL" not in r.stdout
     assert "loads and runs in onnxruntime" in r.stdout
+    assert "target: exact rows:" in r.stdout and "draft: exact rows:" in r.stdout
+
+
+def test_check_catches_rows_that_differ_from_decode(tiny_bundle, tmp_path):
+    """A verify graph whose rows differ from decode in the last bits (logits scaled by 1 + 2**-20, one ulp
+    or so) breaks exact speculation; check's exact-rows comparison must see it."""
+    import shutil
+
+    b = str(tmp_path / "b")
+    shutil.copytree(tiny_bundle, b)
+    path = f"{b}/target.step5.s128.onnx"
+    proto = onnx.load(path, load_external_data=False)
+    for node in proto.graph.node:
+        if "logits" in node.output:
+            node.output[0] = "logits_exact"
+    scale = onnx.helper.make_tensor("nudge", onnx.TensorProto.FLOAT, [], [1 + 2 ** -20])
+    proto.graph.initializer.append(scale)
+    proto.graph.node.append(onnx.helper.make_node("Mul", ["logits_exact", "nudge"], ["logits"]))
+    onnx.save(proto, path)
+    r = specedge("check", b)
+    assert r.returncode == 1
+    assert "exact rows: target.step5.s128.onnx differs from 5 one-token steps" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.parametrize("damage", ["truncate_graph", "manifest_dims", "truncate_weights", "foreign_op"])

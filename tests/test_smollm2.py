@@ -66,7 +66,7 @@ def test_greedy_equals_transformers_for_every_proposer(smol, smollm2_hf):
             for gamma in gammas:
                 out = smol.generate(ids, NEW, proposer=proposer, gamma=gamma, stop_ids=[]).tokens
                 assert_same_or_near_tie(out, ref, ref_logits)
-                assert out == plain or out[:5] == plain[:5], (name, proposer, gamma)
+                assert out == plain, (name, proposer, gamma)  # position-consistent graphs: no exceptions
 
 
 def test_chat_template_renders_like_transformers(smol, smollm2_path):

@@ -4,7 +4,9 @@ For every graph: the file parses; its I/O names, dtypes and shapes are exactly t
 model dims, T and role; every dim is a number; every node is in the standard ONNX domain at the declared
 opset; onnx.checker's full check passes; every initializer stored outside the graph points into the
 model's weights file at the offset, length, dtype and shape of the weights index; and onnxruntime loads
-the graph and runs it once on zeros with outputs of the contract's shapes.
+the graph and runs it once on zeros with outputs of the contract's shapes. Then, per model, the graphs'
+rows are checked for position consistency (tools/exact_rows.py): every T-token graph bitwise equal to T
+one-token steps, every bucket's one-token graph equal to the smallest bucket's.
 """
 from __future__ import annotations
 
@@ -195,6 +197,23 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         report.add(False, f"{label}: onnxruntime cannot run it: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
+def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report) -> None:
+    from ..runtime.backends import create_backend
+    from .exact_rows import check_model_rows
+
+    started = time.perf_counter()
+    backend = create_backend("cpu", threads=None)
+    try:
+        results = check_model_rows(bundle, model, backend)
+    finally:
+        backend.close()
+    inexact = [r for r in results if not r.exact]
+    report.add(not inexact, f"{name}: exact rows: {len(results)} graphs compute each row bit for bit as decode "
+               f"does ({time.perf_counter() - started:.1f} s)" if not inexact else f"{name}: exact rows: " + "; ".join(
+                   f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
+               + " (speculative output would not equal plain output)")
+
+
 def check_bundle(bundle: str, load: bool = True) -> Report:
     report = Report()
     try:
@@ -218,6 +237,8 @@ def check_bundle(bundle: str, load: bool = True) -> Report:
             continue
         for graph in model.graphs:
             _check_graph(bundle, name, model, graph, index, manifest.opset, report, load)
+        if load and report.ok:
+            _check_rows(bundle, name, model, report)
     for f in manifest.tokenizer.files:
         report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
     return report

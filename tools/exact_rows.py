@@ -1,0 +1,123 @@
+"""Position consistency of a model's step graphs: the property greedy speculation's exactness rests on.
+
+A T-token step (verify, prefill) must compute each row t bit for bit as T one-token decode steps compute the
+same tokens, one after another, at slots cache_len + t. Otherwise a verify step can pick another argmax than
+plain decode at a near tie, and "speculative output equals plain output" fails; with int8 activations
+(quantized bundles) such last-bit differences grow to whole quantization steps and the ties stop being rare.
+
+The check drives the graphs through the contract with the runtime's own backend, from a past of random K/V
+and random tokens: for every T > 1 graph, one T-token run against T one-token runs in the same bucket
+(logits and new K/V compared bitwise), and the one-token graph of every bucket against the smallest bucket.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..graphs import contract as C
+from ..graphs.manifest import GraphEntry, ModelEntry, read_index, weights_index_file
+
+
+@dataclass
+class RowsResult:
+    graph: GraphEntry
+    reference: str  # what the graph's rows were compared with
+    max_diff: float  # largest |difference| over logits and new K/V; 0.0 is the requirement
+
+    @property
+    def exact(self) -> bool:
+        return self.max_diff == 0.0
+
+
+class _Driver:
+    """The contract's host side for one model: a cache per bucket, and `run(graph, tokens, start)`."""
+
+    def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0):
+        self.bundle, self.model, self.backend, self.dims = bundle, model, backend, model.dims
+        self.weights = os.path.join(bundle, model.weights)
+        backend.add_weights_file(self.weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
+        self.rng = np.random.default_rng(seed)
+        self.sessions = {}
+
+    def fresh_cache(self, context: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [L, B, H_kv, context, D]: random history in the first `valid` slots, garbage after."""
+        d = self.dims
+        shape = (d.num_layers, d.batch, d.num_kv_heads, context, d.head_dim)
+        keys = self.rng.standard_normal(shape).astype(d.dtype)
+        values = self.rng.standard_normal(shape).astype(d.dtype)
+        keys[:, :, :, valid:] = 1e4  # stale slots: must not matter
+        values[:, :, :, valid:] = -1e4
+        return keys, values
+
+    def run(self, graph: GraphEntry, keys, values, tokens: np.ndarray, start: int, step_mask=None) -> dict:
+        """One run of `graph` on tokens [B, T] at slots start.., writing the new K/V into keys/values."""
+        d, T = self.dims, graph.tokens
+        key = (graph.role, T, graph.context, graph.step_mask)
+        if key not in self.sessions:
+            self.sessions[key] = self.backend.load(os.path.join(self.bundle, graph.file), self.weights,
+                                                   prepack=True, config=self.model.session_config)
+        feeds = {C.INPUT_IDS: np.ascontiguousarray(tokens, dtype=np.int64),
+                 C.POSITION_IDS: np.broadcast_to(np.arange(start, start + T), (d.batch, T)).copy(),
+                 C.CACHE_LEN: np.full(d.batch, start, np.int64)}
+        for i in range(d.num_layers):
+            feeds[C.past_key(i)] = np.ascontiguousarray(keys[i])
+            feeds[C.past_value(i)] = np.ascontiguousarray(values[i])
+        if graph.step_mask:
+            feeds[C.STEP_MASK] = np.broadcast_to(np.tril(np.ones((T, T), bool)), (d.batch, T, T)).copy()
+        outputs = {s.name: np.empty(s.shape, s.dtype) for s in C.step_outputs(d, T, graph.role)}
+        session = self.sessions[key]
+        session.bind(feeds, outputs)
+        session.run()
+        for i in range(d.num_layers):
+            keys[i, :, :, start:start + T] = outputs[C.new_key(i)]
+            values[i, :, :, start:start + T] = outputs[C.new_value(i)]
+        return outputs
+
+    def close(self):
+        for s in self.sessions.values():
+            s.close()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) for k in a.keys() & b.keys())
+
+
+def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> list[RowsResult]:
+    """Every T > 1 graph against one-token steps in its bucket, and every bucket's one-token graph against
+    the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
+    covers the whole slot range the bucket's reductions run over."""
+    d = model.dims
+    driver = _Driver(bundle, model, backend, seed)
+    decode = {g.context: g for g in model.graphs if g.role == C.STEP and g.tokens == 1 and not g.step_mask}
+    results = []
+    try:
+        for graph in model.graphs:
+            if graph.tokens == 1 or graph.context not in decode or graph.tokens + 3 > graph.context:
+                continue
+            T, S = graph.tokens, graph.context
+            start = S - T - 3
+            tokens = driver.rng.integers(0, d.vocab_size, (d.batch, T))
+            keys, values = driver.fresh_cache(S, start)
+            k1, v1 = keys.copy(), values.copy()
+            whole = driver.run(graph, keys, values, tokens, start)
+            rows = [driver.run(decode[S], k1, v1, tokens[:, t:t + 1], start + t) for t in range(T)]
+            stacked = {name: np.concatenate([r[name] for r in rows], axis=2 if name != C.LOGITS else 1)
+                       for name in whole}
+            results.append(RowsResult(graph, f"{T} one-token steps, S={S}", _max_diff(whole, stacked)))
+        smallest = min(decode)
+        start = smallest - 5
+        tokens = driver.rng.integers(0, d.vocab_size, (d.batch, 1))
+        base_k, base_v = driver.fresh_cache(smallest, start)
+        reference = driver.run(decode[smallest], base_k.copy(), base_v.copy(), tokens, start)
+        for S, graph in sorted(decode.items()):
+            if S == smallest:
+                continue
+            keys, values = driver.fresh_cache(S, start)
+            keys[:, :, :, :start], values[:, :, :, :start] = base_k[:, :, :, :start], base_v[:, :, :, :start]
+            out = driver.run(graph, keys, values, tokens, start)
+            results.append(RowsResult(graph, f"one-token step, S={smallest}", _max_diff(out, reference)))
+    finally:
+        driver.close()
+    return results
