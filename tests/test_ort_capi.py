@@ -20,6 +20,19 @@ from specedge.runtime.backends import ort_capi as oc  # noqa: E402
 if not oc.available():
     pytest.skip("onnxruntime's shared library (C API) is not available", allow_module_level=True)
 
+
+def test_the_default_backend_is_the_c_api_one():
+    """`cpu` falls back to onnxruntime's Python API when the C library is missing; where it is installed (CI),
+    the default must be the C API backend, which shares one copy of the packed weights between sessions."""
+    from specedge.runtime.backends import create_backend
+    from specedge.runtime.backends.cpu import CapiBackend
+
+    backend = create_backend("cpu", threads=1)
+    try:
+        assert isinstance(backend, CapiBackend)
+    finally:
+        backend.close()
+
 D, H, O, VOCAB = 16, 32, 8, 50
 TS = (1, 3, 8)
 
