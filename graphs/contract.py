@@ -17,6 +17,10 @@ A *step graph* processes T new tokens of a batch of B sequences against a past o
            new_value_i   cache  [B, H_kv, T, D]
 
 "cache" is the model's dtype (float32 or float16); logits are always float32.
+
+Preconditions and guarantees (bundle format 2, docs/bundle.md): cache_len + T <= S for every row, padding
+rows included; row t of a T-token step equals, bit for bit, a one-token step on the same token at slot
+cache_len + t (what makes greedy speculation exact; `specedge check` verifies it).
 """
 from __future__ import annotations
 
