@@ -33,25 +33,25 @@ Q3 = ["0.2", "0.5", "0.3"]
 GRID = 30  # every threshold below (p/q = 3/5, 2/3; p's cdf 1/2, 4/5) is a multiple of 1/30
 
 
-def enumerate_first_token(rule) -> list[Fraction]:
+def enumerate_first_token(rule, P=P3, Q=Q3, grid=GRID) -> list[Fraction]:
     """Exact distribution of the first emitted token of a one-draft round, through `rule` itself.
 
     The rule sees two uniforms: u1 decides acceptance, u2 samples next_token. Both are piecewise constant
-    in u with breakpoints on multiples of 1/GRID, so the midpoints of the GRID cells, each of measure
-    1/GRID, integrate them exactly.
+    in u with breakpoints (p/q, the cdfs of p and of the residual) on multiples of 1/grid, so the midpoints
+    of the grid cells, each of measure 1/grid, integrate them exactly.
     """
-    p = np.array([float(x) for x in P3])
-    q = np.array([float(x) for x in Q3])
+    p = np.array([float(x) for x in P])
+    q = np.array([float(x) for x in Q])
     target = np.stack([p, p])
-    dist = [Fraction(0)] * 3
-    for x, qx in enumerate(Q3):
-        for i in range(GRID):
-            for j in range(GRID):
-                rng = ScriptedRng((i + 0.5) / GRID, (j + 0.5) / GRID)
+    dist = [Fraction(0)] * len(P)
+    for x, qx in enumerate(Q):
+        for i in range(grid):
+            for j in range(grid):
+                rng = ScriptedRng((i + 0.5) / grid, (j + 0.5) / grid)
                 n, token = rule(np.array([x]), q[None], target, rng)
                 assert rng.values == [], "one draw to judge the draft, one for next_token"
                 first = x if n == 1 else token
-                dist[first] += Fraction(qx) / GRID**2
+                dist[first] += Fraction(qx) / grid**2
     return dist
 
 
@@ -85,6 +85,18 @@ def test_resampling_from_p_on_rejection_is_biased():
     wrong = enumerate_first_token(resample_from_p_on_rejection)
     assert wrong == [Fraction("0.35"), Fraction("0.39"), Fraction("0.26")]
     assert wrong != [Fraction(x) for x in P3]
+
+
+# Residuals spread over several tokens: norm(max(p - q, 0)) = [3/4, 1/4, 0, 0] and [2/5, 2/5, 1/5, 0, 0].
+# Every breakpoint (p/q, the cdfs of p and of the residual) is a multiple of 1/60.
+SPREAD = [(["0.4", "0.3", "0.2", "0.1"], ["0.1", "0.2", "0.3", "0.4"]),
+          (["0.3", "0.3", "0.2", "0.1", "0.1"], ["0.1", "0.1", "0.1", "0.3", "0.4"])]
+
+
+@pytest.mark.parametrize("P,Q", SPREAD)
+def test_spread_residual_examples_are_exact(P, Q):
+    assert enumerate_first_token(accept_sampling, P, Q, grid=60) == [Fraction(x) for x in P]
+    assert enumerate_first_token(resample_from_p_on_rejection, P, Q, grid=60) != [Fraction(x) for x in P]
 
 
 def test_output_distribution_closed_form():
