@@ -202,7 +202,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             report.native.append(name)
             return Blocks.concat(found)
         w = np.ascontiguousarray(np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T)
-        q, s = quantize_blocks(w, bits, quant.block)
+        # The head keeps plain round-to-nearest: a least-squares scale clips its outliers (see quantize_blocks)
+        q, s = quantize_blocks(w, bits, quant.block, search=name != "lm_head")
         report.requantized[name] = relative_error(w, dequantize_blocks(q, s, quant.block))
         return Blocks(q, s, bits, quant.block)
 

@@ -34,7 +34,6 @@ ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs ar
 # leaving those weights dequantized at every step (measured: 63% of a step in DequantizeLinear).
 ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": str(ACCURACY_LEVEL),
                       "optimization.disable_specified_optimizers": "MatMulAddFusion"}
-_QMAX = {8: 127, 4: 7}
 
 
 @dataclass(frozen=True)
@@ -90,23 +89,45 @@ def parse_quant(mode: str, block: int | None, head: str | None = None) -> QuantS
 
 
 # -- numerics -----------------------------------------------------------------------------------------
-def quantize_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Round-to-nearest symmetric quantization of W [K, N] in blocks of `block` rows along K.
+# int4 scales tried per block: amax / c, the grid -8..7. Plain round-to-nearest with amax -> 7 wastes the -8
+# level and rounds the many small weights coarsely; picking, per block, the candidate with the least squared
+# error lowered SmolLM2's requantization error from 0.102 to 0.085 (mean relative, Q4_1 -> int4 block 32).
+INT4_DIVISORS = tuple(np.linspace(6.0, 8.5, 11).astype(np.float32))
 
-    Returns (q int8 [K, N] with values in -qmax..qmax, scale float32 [ceil(K/block), N]); W ~= q * scale. The
-    scale maps the block's largest magnitude to qmax (7 or 127), so -8 / -128 is never used and the grid is
-    symmetric; an all-zero block gets scale 1 (any scale represents it exactly). A last block shorter than
-    `block` is allowed (ONNX's blocked DequantizeLinear has ceil(K/block) scale rows)."""
+
+def quantize_blocks(w: np.ndarray, bits: int, block: int, search: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric (no zero point) quantization of W [K, N] in blocks of `block` rows along K.
+
+    Returns (q int8 [K, N], scale float32 [ceil(K/block), N]); W ~= q * scale, scales positive.
+    * int8: round to nearest with the block's largest magnitude mapped to 127 (values -127..127).
+    * int4: values -8..7; each block's scale is amax / c for the c in INT4_DIVISORS with the least squared
+      error, every weight rounded to the nearest grid value (clipped at the ends). `search=False` keeps
+      c = 7 (the block's largest magnitude exact): for SmolLM2's int4 LM head the searched scales, which clip
+      rare large weights, raised perplexity from 42.7 to 46.9 while lowering the weight error.
+    An all-zero block gets scale 1 (any scale represents it exactly). A last block shorter than `block` is
+    allowed (ONNX's blocked DequantizeLinear has ceil(K/block) scale rows)."""
     K, N = w.shape
     nb = -(-K // block)
-    qmax = _QMAX[bits]
     padded = np.zeros((nb * block, N), np.float32)
     padded[:K] = w
     blocks = padded.reshape(nb, block, N)
     amax = np.abs(blocks).max(axis=1)
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, None, :]), -qmax, qmax).astype(np.int8)
-    return q.reshape(nb * block, N)[:K], scale
+    nonzero = amax > 0
+    if bits == 8:
+        scale = np.where(nonzero, amax / 127, 1.0).astype(np.float32)
+        q = np.clip(np.rint(blocks / scale[:, None, :]), -127, 127)
+    else:
+        scale, best = None, None
+        for c in (INT4_DIVISORS if search else (np.float32(7),)):
+            s = np.where(nonzero, amax / c, 1.0).astype(np.float32)
+            err = ((np.clip(np.rint(blocks / s[:, None, :]), -8, 7) * s[:, None, :] - blocks) ** 2).sum(axis=1)
+            if scale is None:
+                scale, best = s, err
+            else:
+                better = err < best
+                scale, best = np.where(better, s, scale), np.where(better, err, best)
+        q = np.clip(np.rint(blocks / scale[:, None, :]), -8, 7)
+    return q.astype(np.int8).reshape(nb * block, N)[:K], scale.astype(np.float32)
 
 
 def dequantize_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
