@@ -3,7 +3,9 @@
 A tiny target/draft pair (vocab 16, sharpened heads so p and q differ a lot) is exported; 3-token
 continuations are sampled many times with the draft and n-gram proposers, and their frequencies are tested
 against the exact distribution of plain sampling (chi-square goodness of fit, fixed seeds). The exact law is
-the product of the target's processed next-token distributions, enumerated over all 16^3 continuations. A
+the product of the target's next-token distributions, enumerated over all 16^3 continuations, computed from
+transformers' logits with transformers' own temperature, top-k and top-p warpers (independent of
+specedge.runtime.sampling). Every speculative run also asserts that drafts were accepted and rejected. A
 deliberately wrong acceptance rule (resample from p after a rejection) must fail the same test.
 """
 import numpy as np
@@ -14,10 +16,10 @@ from scipy.stats import chisquare
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.runtime import generator as generator_module
 from specedge.runtime.generator import Generator
-from specedge.runtime.sampling import SamplingParams, probs_from_logits, sample_token
+from specedge.runtime.sampling import SamplingParams, sample_token
 
 V = 16
-PROMPT = [3, 7, 3, 7, 3]  # repeats so prompt lookup has something to propose
+START = 3
 N = 3000
 P_MIN = 1e-3
 
@@ -35,33 +37,69 @@ def pair(tmp_path_factory):
     export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4)),
                   draft_path=str(root / "draft"), progress=False)
     g = Generator.load(out)
-    yield g, target
+    yield g, target, lookup_prompt(target)
     g.close()
 
 
-def exact_law(model, params: SamplingParams) -> np.ndarray:
-    """P(a, b, c | prompt) for all 16^3 continuations, from transformers' logits."""
+def lookup_prompt(model) -> list[int]:
+    """START, the target's greedy continuation g1 g2 g3, then START g1 again: prompt lookup finds [START, g1]
+    earlier and proposes g2 g3 START g1, tokens the target likes, so proposals are accepted as well as
+    rejected at every temperature/top-k/top-p setting (with a fixed repeat like 3 7 3 7 3, top-k 6 never kept
+    the proposed tokens and no draft was ever accepted)."""
+    ids = [START]
+    with torch.no_grad():
+        for _ in range(3):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids + [START, ids[1]]
+
+
+def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Next-token distributions [N, V] as transformers' generate() makes them: temperature, then top-k, then
+    top-p (its LogitsWarpers, in that order), then softmax; in float64."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    scores = torch.tensor(logits, dtype=torch.float64)
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    for warp in warpers:
+        scores = warp(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def exact_law(model, prompt, params: SamplingParams) -> np.ndarray:
+    """P(a, b, c | prompt) for all 16^3 continuations, from transformers' logits and warpers."""
     seqs = np.array([[a, b] for a in range(V) for b in range(V)])
     with torch.no_grad():
-        first = model(torch.tensor([PROMPT])).logits[0, -1].numpy()
-        ctx = torch.tensor([PROMPT + [a] for a in range(V)])
+        first = model(torch.tensor([prompt])).logits[0, -1].numpy()
+        ctx = torch.tensor([prompt + [a] for a in range(V)])
         second = model(ctx).logits[:, -1].numpy()
-        ctx = torch.tensor([PROMPT + list(s) for s in seqs])
+        ctx = torch.tensor([prompt + list(s) for s in seqs])
         third = model(ctx).logits[:, -1].numpy()
-    p1 = probs_from_logits(first[None], params)[0]
-    p2 = probs_from_logits(second, params)
-    p3 = probs_from_logits(third, params).reshape(V, V, V)
+    p1 = hf_probs(first[None], params)[0]
+    p2 = hf_probs(second, params)
+    p3 = hf_probs(third, params).reshape(V, V, V)
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def sample_counts(gen, proposer, gamma, params, seed, n=N):
+def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N):
+    """Counts of the 16^3 continuations over n seeded runs; asserts that a speculative proposer really ran:
+    drafts were proposed, some accepted and some rejected."""
     counts = np.zeros(V ** 3)
+    proposed = accepted = 0
     for i in range(n):
-        out = gen.generate(PROMPT, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
+        out = gen.generate(prompt, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed * 1_000_003 + i, stop_ids=[],
                            adaptive=False)
         a, b, c = out.tokens
         counts[(a * V + b) * V + c] += 1
+        proposed += out.stats.proposed
+        accepted += out.stats.accepted
+    if proposer != "none":
+        assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
     return counts
 
 
@@ -83,10 +121,10 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
 @pytest.mark.parametrize("proposer, gamma", [("draft", 2), ("draft", 4), ("ngram", 4)])
 def test_speculative_sampling_matches_plain_sampling(pair, params, proposer, gamma):
-    gen, model = pair
-    law = exact_law(model, params)
+    gen, model, prompt = pair
+    law = exact_law(model, prompt, params)
     assert (law > 1e-3).sum() >= 8  # a law with real spread, or the test would say little
-    counts = sample_counts(gen, proposer, gamma, params, seed=gamma)
+    counts = sample_counts(gen, prompt, proposer, gamma, params, seed=gamma)
     assert goodness_of_fit(counts, law) > P_MIN
 
 
@@ -103,30 +141,28 @@ def layer_pair(tmp_path_factory):
                   progress=False)
     g = Generator.load(out)
     assert g.draft_shares_cache
-    yield g, target
+    yield g, target, lookup_prompt(target)
     g.close()
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
 def test_layer_draft_sampling_matches_plain_sampling(layer_pair, params):
-    gen, model = layer_pair
-    counts = sample_counts(gen, "draft", 4, params, seed=7)
-    assert gen.generate(PROMPT, 3, proposer="draft", gamma=4, temperature=1.0, seed=0, stop_ids=[],
-                        adaptive=False).stats.proposed > 0
-    assert goodness_of_fit(counts, exact_law(model, params)) > P_MIN
+    gen, model, prompt = layer_pair
+    counts = sample_counts(gen, prompt, "draft", 4, params, seed=7)
+    assert goodness_of_fit(counts, exact_law(model, prompt, params)) > P_MIN
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
 def test_plain_sampling_follows_the_exact_law(pair, params):
     """The control: plain sampling through the graphs passes the same test."""
-    gen, model = pair
-    assert goodness_of_fit(sample_counts(gen, "none", 0, params, seed=99), exact_law(model, params)) > P_MIN
+    gen, model, prompt = pair
+    assert goodness_of_fit(sample_counts(gen, prompt, "none", 0, params, seed=99), exact_law(model, prompt, params)) > P_MIN
 
 
 def test_wrong_rule_is_caught(pair, monkeypatch):
     """Resampling from p after a rejection (instead of from norm(max(p - q, 0))) skews the output: the
     test above would see it."""
-    gen, model = pair
+    gen, model, prompt = pair
     params = SETTINGS[0]
 
     def wrong_accept(draft_tokens, draft_probs, target_probs, rng):
@@ -137,5 +173,5 @@ def test_wrong_rule_is_caught(pair, monkeypatch):
         return len(draft_tokens), sample_token(target_probs[len(draft_tokens)], rng)
 
     monkeypatch.setattr(generator_module, "accept_sampling", wrong_accept)
-    counts = sample_counts(gen, "draft", 2, params, seed=5)
-    assert goodness_of_fit(counts, exact_law(model, params)) < P_MIN
+    counts = sample_counts(gen, prompt, "draft", 2, params, seed=5)
+    assert goodness_of_fit(counts, exact_law(model, prompt, params)) < P_MIN
