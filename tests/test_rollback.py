@@ -144,3 +144,56 @@ def test_layer_draft_reads_the_target_cache_and_leaves_its_history_alone(runtime
         proposer.commit(n, correction)
         committed += proposal.tokens[:n] + [correction]
         assert_cache_is_prefill_of(target, fresh.target, committed[:-1])
+
+
+class ScriptedProposer:
+    """Proposes the next tokens of a known greedy output with the draft at index `wrong[r]` of round r
+    changed, so the loop must accept exactly that many drafts and roll the rest back."""
+
+    name = "ngram"
+
+    def __init__(self, prompt_len: int, reference: list[int], wrong: list[int], vocab: int):
+        self.prompt_len, self.reference, self.wrong, self.vocab = prompt_len, reference, list(wrong), vocab
+        self.expected: list[int] = []  # accepted drafts the loop should report, round by round
+
+    def start(self, prompt):
+        pass
+
+    def propose(self, context, k, sampler):
+        from specedge.runtime.proposers import Proposal
+
+        done = len(context) - self.prompt_len
+        drafts = list(self.reference[done:done + k])
+        bad = self.wrong.pop(0) if self.wrong else k
+        if bad < len(drafts):
+            drafts[bad] = (drafts[bad] + 1) % self.vocab
+        self.expected.append(min(bad, len(drafts)))
+        return Proposal(drafts, None)
+
+    def commit(self, n_accepted, next_token):
+        pass
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(2, 999), min_size=2, max_size=30),
+       wrong=st.lists(st.integers(0, 8), min_size=1, max_size=12))
+def test_the_loop_rolls_back_rejected_drafts(runtime, prompt, wrong):
+    """Driven through Generator.stream: every round keeps exactly the drafts before the scripted wrong one
+    (8: none wrong, a fully accepted round) and rolls the others back by rewriting cache_len; the output is
+    plain greedy decode's, and the target's cache ends equal to a fresh prefill of everything committed but
+    the pending token."""
+    g, fresh = runtime
+    new = 24
+    reference = g.generate(prompt, new + 10, proposer="none", stop_ids=[]).tokens
+    scripted = ScriptedProposer(len(prompt), reference, wrong, g.target.dims.vocab_size)
+    g._proposer = lambda name, ngram: scripted
+    try:
+        rounds = list(g.stream(prompt, new, proposer="ngram", gamma=8, stop_ids=[], adaptive=False))
+    finally:
+        del g._proposer
+    assert sum(rounds, []) == reference[:new]
+    accepted = [len(r) - 1 for r in rounds]
+    assert accepted[:-1] == scripted.expected[:-1]  # the last round may be cut by max_new_tokens
+    assert accepted[-1] <= scripted.expected[-1] and len(rounds) == len(scripted.expected)
+    committed = prompt + reference
+    assert_cache_is_prefill_of(g.target, fresh.target, committed[: g.target.cache.used])
