@@ -68,6 +68,24 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
     return model
 
 
+def make_near_copy(model, path: str, noise: float, seed: int = 0):
+    """Save a copy of `model` with every weight perturbed by `noise` x its own spread: a draft that agrees
+    with the target often but not always, so speculative tests see accepted drafts, rejected drafts and
+    fully accepted rounds (a draft initialized at random is almost never accepted)."""
+    import copy
+
+    import torch
+
+    near = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * (p.std() if p.numel() > 1 else p.abs()))
+    near.save_pretrained(path)
+    write_word_tokenizer(path, model.config.vocab_size)
+    return near
+
+
 class ContractDriver:
     """Runs a bundle's graphs by hand through the contract (onnxruntime's Python API): the host side of the
     contract, written independently of specedge.runtime so the tests check the graphs, not the runtime."""
