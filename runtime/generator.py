@@ -61,8 +61,8 @@ class Generator:
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "Generator":
         manifest = load_manifest(bundle)
         if manifest.target.dims.batch != 1:
-            raise BundleError(f"this bundle has batch {manifest.target.dims.batch}; the generator runs one "
-                              "sequence at a time (export with --batch 1)")
+            raise BundleError(f"this bundle has batch {manifest.target.dims.batch}: run it with specedge generate "
+                              "--prompts FILE.jsonl (runtime.batch.BatchGenerator), or export with --batch 1")
         _check_vocab(manifest)
         engine = create_backend(backend, threads)
         for weights in {m.weights for m in manifest.models.values()}:

@@ -57,7 +57,8 @@ class KVCache:
 
     @property
     def used(self) -> int:
-        return int(self.length[0])
+        """Valid entries of the longest row (the only row at batch 1): what bucket and capacity checks need."""
+        return int(self.length.max())
 
     @property
     def free(self) -> int:
@@ -87,6 +88,23 @@ class KVCache:
         for buf, new in zip(self.values, new_values):
             buf[:, :, start:start + n] = new[:, :, :n]
         self.length[:] = start + n
+
+    def append_rows(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], counts: list[int]) -> None:
+        """Per row b, store the first counts[b] entries of a step's new K/V after that row's valid ones."""
+        for b, n in enumerate(counts):
+            start = int(self.length[b])
+            if start + n > self.bucket:
+                raise ValueError(f"cache overflow in row {b}: {start} + {n} > bucket {self.bucket}")
+            if n:
+                for buf, new in zip(self.keys + self.values, new_keys + new_values):
+                    buf[b, :, start:start + n] = new[b, :, :n]
+            self.length[b] = start + n
+
+    def set_row_length(self, row: int, n: int) -> None:
+        """Commit or roll back one row of a batch."""
+        if not 0 <= n <= self.bucket:
+            raise ValueError(f"cache length {n} outside 0..{self.bucket}")
+        self.length[row] = n
 
     def set_length(self, n: int) -> None:
         """Commit or roll back: the first n entries are history, the rest are stale."""

@@ -157,6 +157,47 @@ class ModelRunner:
             self._execute(role, T, tokens[done:done + n])
             done += n
 
+    # -- batches (runtime/batch.py) ------------------------------------------------------------------------
+    def run_rows(self, rows: list[list[int]], role: str = C.STEP) -> np.ndarray | None:
+        """One step for every row of the batch: row b feeds rows[b] (empty: an idle row, whose cache does
+        not change) at its own cache length, padded to the graph's T. Returns logits [B, T, V] (a view,
+        valid until the next run; None for a prefill graph). Each row's cache grows by len(rows[b])."""
+        n = max(1, max(len(r) for r in rows))
+        sizes = self.entry.prefill_tokens() if role == C.PREFILL else self._step_sizes
+        fits = [t for t in sizes if n <= t <= self.cache.free]
+        if not fits:
+            raise ValueError(f"no {role} graph holds {n} tokens in {self.cache.free} free cache slots")
+        T = min(fits)
+        self.cache.use_bucket(self._bucket_for(role, T))
+        step = self._step(role, T, self.cache.bucket)
+        lengths = self.cache.length
+        for b, tokens in enumerate(rows):
+            step.input_ids[b, :len(tokens)] = tokens
+            step.input_ids[b, len(tokens):] = 0
+            step.position_ids[b] = np.arange(lengths[b], lengths[b] + T)
+        began = time.perf_counter()
+        step.session.run()
+        self.graph_seconds += time.perf_counter() - began
+        self.graph_runs += 1
+        self.cache.append_rows(step.new_keys, step.new_values, [len(r) for r in rows])
+        return step.logits
+
+    def prefill_row(self, row: int, tokens: list[int]) -> None:
+        """Fill one row's cache with tokens, the other rows idle (full prefill chunks, then the tail through
+        the smallest step graph in use that holds it)."""
+        B = self.dims.batch
+        chunk = max((t for t in self.entry.prefill_tokens()), default=0)
+        done = 0
+        while done < len(tokens):
+            rest = len(tokens) - done
+            fits_step = [t for t in self._step_sizes if t >= rest]
+            role, n = (C.PREFILL, chunk) if chunk and (rest >= chunk or not fits_step) else (C.STEP, rest)
+            n = min(n, rest)
+            rows = [[] for _ in range(B)]
+            rows[row] = list(tokens[done:done + n])
+            self.run_rows(rows, role)
+            done += n
+
     def reset(self) -> None:
         self.cache.reset()
 

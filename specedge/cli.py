@@ -123,6 +123,10 @@ def _add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the bundle's tokenizer and the tokenizers package)")
     src.add_argument("--prompt-ids", type=_ints, metavar="1,2,3", help="prompt as token ids")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help="a batch: one prompt per line ({\"prompt\": text}, {\"messages\": chat} or "
+                     "{\"prompt_ids\": [...]}), at most the bundle's --batch B; prints one JSON line per prompt "
+                     "(proposers none and ngram)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the bundle's chat template as a user turn")
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -141,10 +145,61 @@ def _prompt_ids(gen, a) -> list[int]:
     return gen.tokenizer.apply_chat_template(a.prompt) if a.chat else gen.tokenizer.encode(a.prompt)
 
 
+def _batch_prompts(gen, path: str) -> list[list[int]]:
+    import json
+
+    from .errors import GenerationError
+
+    try:
+        lines = [line for line in open(path) if line.strip()]
+    except OSError as e:
+        raise GenerationError(f"cannot read --prompts {path}: {e.strerror}") from None
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise GenerationError(f"{path}:{i} is not a JSON object") from None
+        if not isinstance(item, dict) or not {"prompt", "messages", "prompt_ids"} & set(item):
+            raise GenerationError(f"{path}:{i} needs a 'prompt', 'messages' or 'prompt_ids' field")
+        if "prompt_ids" in item:
+            prompts.append([int(t) for t in item["prompt_ids"]])
+        elif gen.tokenizer is None:
+            raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing); use "
+                                  "'prompt_ids' in --prompts")
+        elif "messages" in item:
+            prompts.append(gen.tokenizer.apply_chat_template(item["messages"]))
+        else:
+            prompts.append(gen.tokenizer.encode(item["prompt"]))
+    return prompts
+
+
+def _run_generate_batch(a) -> int:
+    import json
+
+    from .runtime.batch import BatchGenerator
+
+    gen = BatchGenerator.load(a.bundle, backend=a.backend, threads=a.threads)
+    try:
+        prompts = _batch_prompts(gen, a.prompts)
+        results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
+                                     gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                                     seed=a.seed)
+    finally:
+        gen.close()
+    for i, r in enumerate(results):
+        print(json.dumps({"index": i, "prompt_ids": r.prompt_ids, "tokens": r.tokens, "text": r.text,
+                          "stats": r.stats.to_json()}))
+    return 0
+
+
 def _run_generate(a) -> int:
     import json
 
     from .runtime.generator import Generator
+
+    if a.prompts:
+        return _run_generate_batch(a)
     from .runtime.stats import Stats
     from .runtime.tokenizer import StreamDecoder
 

@@ -1,0 +1,104 @@
+"""Batches (runtime/batch.py): every row of a --batch B bundle gives exactly its batch-1 output, rows stop
+independently, idle rows change nothing, and bad batches are refused with one clear error."""
+import pytest
+from conftest import CHUNK
+from test_generate import prompt_of
+
+from specedge.errors import GenerationError
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.runtime.batch import BatchGenerator
+from specedge.runtime.generator import Generator
+
+B = 3
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def gens(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    one, three = str(root / "b1"), str(root / "b3")
+    export_bundle(tiny_models["llama"][0], one, ExportOptions(context=128, prefill_chunk=CHUNK), progress=False)
+    export_bundle(tiny_models["llama"][0], three, ExportOptions(context=128, prefill_chunk=CHUNK, batch=B),
+                  progress=False)
+    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    yield g1, g3
+    g1.close()
+    g3.close()
+
+
+PROMPTS = [prompt_of(5, 1), prompt_of(3 * CHUNK + 5, 2), prompt_of(CHUNK + 1, 3)]
+
+
+@pytest.mark.parametrize("proposer,gamma", [("none", 1), ("ngram", 2), ("ngram", 4), ("ngram", 8)])
+def test_each_row_equals_its_batch_1_greedy_output(gens, proposer, gamma):
+    g1, g3 = gens
+    results = g3.generate_batch(PROMPTS, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
+    proposed = accepted = 0
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == g1.generate(prompt, NEW, proposer=proposer, gamma=gamma, stop_ids=[],
+                                         adaptive=False).tokens
+        assert res.prompt_ids == prompt and res.stats.new_tokens == NEW
+        proposed += res.stats.proposed
+        accepted += res.stats.accepted
+    if proposer != "none":
+        assert 0 < accepted < proposed  # drafts were proposed, accepted and rejected in the batch
+
+
+def test_sampled_rows_repeat_their_batch_1_runs(gens):
+    """Row b draws from its own generator seeded seed + b."""
+    g1, g3 = gens
+    results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, temperature=0.9, top_k=50, seed=11,
+                                stop_ids=[])
+    for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
+        assert res.tokens == g1.generate(prompt, NEW, proposer="ngram", gamma=4, temperature=0.9, top_k=50,
+                                         seed=11 + b, stop_ids=[]).tokens
+
+
+def test_rows_stop_independently_and_idle_rows_change_nothing(gens):
+    g1, g3 = gens
+    full = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS[:2]]
+    stop = full[0][7]  # row 0 stops at its 8th token; row 1 runs on (unless the token occurs there earlier)
+    results = g3.generate_batch(PROMPTS[:2], NEW, proposer="ngram", gamma=4, stop_ids=[stop])
+    assert len(results) == 2  # fewer prompts than B: the third row idles
+    for want, res in zip(full, results):
+        cut = want.index(stop) + 1 if stop in want else len(want)
+        assert res.tokens == want[:cut]
+        assert res.stats.stop_reason == ("stop" if stop in want else "max_new_tokens")
+    assert results[0].tokens[-1] == stop and len(results[0].tokens) <= 8
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),
+    ({"prompts": [[5], []]}, "prompt 1 is empty"),
+    ({"prompts": [[5]], "proposer": "draft"}, "not available for batches"),
+    ({"prompts": [[5]], "gamma": 3}, "gamma 3 has no verify graph"),
+    ({"prompts": [[5]], "temperature": -1.0}, "temperature"),
+    ({"prompts": [[5] * 200]}, "context holds 128"),
+])
+def test_bad_batches_are_one_clear_error(gens, kwargs, match):
+    _, g3 = gens
+    with pytest.raises(GenerationError, match=match):
+        g3.generate_batch(**kwargs)
+
+
+def test_generate_cli_runs_a_batch_file(gens, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    g1, g3 = gens
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]) + "\n")
+    bundle = g3.target._dir
+    r = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path),
+                        "--max-new-tokens", "12", "--proposer", "ngram", "--gamma", "4"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["index"] for row in rows] == [0, 1]
+    for prompt, row in zip(PROMPTS, rows):
+        assert row["tokens"] == g1.generate(prompt, 12, proposer="ngram", gamma=4).tokens
+    path.write_text('{"nothing": 1}\n')
+    bad = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs a 'prompt', 'messages' or 'prompt_ids' field" in bad.stderr
+    assert "Traceback" not in bad.stderr
