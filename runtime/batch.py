@@ -4,7 +4,7 @@ Each row keeps the loop's invariant (its cache holds every committed token but i
 `cache_len` entry, its own proposal, acceptance, draft length and stop; a round feeds row b
 [pending_b, drafts_b...] padded to the step's T, and commits row b by rewriting cache_len[b]. Rows that are
 finished (or missing, when there are fewer prompts than B) are idle: they feed nothing and their cache does
-not move. Prefill fills one row at a time, the other rows idle.
+not move. Prefill fills all rows in the same steps, chunk by chunk.
 
 Why a row's output equals its batch-1 output: the step graphs compute every row of a step independently,
 and each row bit for bit like a one-token step at its slot (docs/bundle.md, position consistency), so the
@@ -99,8 +99,7 @@ class BatchGenerator:
             s.proposer, s.gamma, s.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompts[b])
             s.start()
         target.reset()
-        for b, prompt in enumerate(prompts):
-            target.prefill_row(b, prompt[:-1])
+        target.prefill_rows([p[:-1] for p in prompts])
         for s in stats:
             s.prefill_ms = s.ms_since_start()
         contexts = [list(p) for p in prompts]

@@ -182,21 +182,25 @@ class ModelRunner:
         self.cache.append_rows(step.new_keys, step.new_values, [len(r) for r in rows])
         return step.logits
 
-    def prefill_row(self, row: int, tokens: list[int]) -> None:
-        """Fill one row's cache with tokens, the other rows idle (full prefill chunks, then the tail through
-        the smallest step graph in use that holds it)."""
+    def prefill_rows(self, prompts: list[list[int]]) -> None:
+        """Fill row b's cache with prompts[b] (rows past len(prompts) stay idle), all rows in the same steps:
+        full prefill chunks while some row has one, then the smallest graph in use that holds every row's
+        rest. A row with nothing left idles."""
         B = self.dims.batch
-        chunk = max((t for t in self.entry.prefill_tokens()), default=0)
-        done = 0
-        while done < len(tokens):
-            rest = len(tokens) - done
-            fits_step = [t for t in self._step_sizes if t >= rest]
-            role, n = (C.PREFILL, chunk) if chunk and (rest >= chunk or not fits_step) else (C.STEP, rest)
-            n = min(n, rest)
+        chunk = max(self.entry.prefill_tokens(), default=0)
+        done = [0] * len(prompts)
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            rest = max(len(p) - d for d, p in zip(done, prompts))
+            if chunk and rest >= chunk:
+                role, T = C.PREFILL, chunk
+            else:
+                holding = [t for t in self._step_sizes if t >= rest]
+                role, T = (C.STEP, min(holding)) if holding else (C.PREFILL, chunk)
             rows = [[] for _ in range(B)]
-            rows[row] = list(tokens[done:done + n])
+            for b, p in enumerate(prompts):
+                rows[b] = list(p[done[b]:done[b] + T])
+                done[b] += len(rows[b])
             self.run_rows(rows, role)
-            done += n
 
     def reset(self) -> None:
         self.cache.reset()

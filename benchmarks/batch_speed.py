@@ -1,0 +1,75 @@
+"""Batch throughput: B prompts through a --batch B bundle against the same prompts one at a time through a
+--batch 1 bundle of the same model, interleaved in one process; every row's tokens are checked equal.
+
+    python benchmarks/batch_speed.py BUNDLE_B1 BUNDLE_BN [--prompts tools/prompts/suite.jsonl] [--limit 4]
+        [--max-new-tokens 128] [--proposers none,ngram] [--gamma 4] [--repeats 3] [--threads 2] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+
+from specedge.runtime.batch import BatchGenerator
+from specedge.runtime.generator import Generator
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("one")
+    p.add_argument("many")
+    p.add_argument("--prompts", default="tools/prompts/suite.jsonl")
+    p.add_argument("--kind", default=None, help="only prompts of this kind (grounded/open)")
+    p.add_argument("--limit", type=int, default=None, help="prompts (default: the bundle's batch)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--proposers", default="none,ngram")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    g1 = Generator.load(a.one, threads=a.threads)
+    gb = BatchGenerator.load(a.many, threads=a.threads)
+    items = [json.loads(line) for line in open(a.prompts)]
+    items = [i for i in items if a.kind is None or i.get("kind") == a.kind][: a.limit or gb.batch]
+    prompts = [g1.tokenizer.apply_chat_template(i["messages"]) for i in items]
+    rows = []
+    for proposer in a.proposers.split(","):  # one untimed run each first: sessions are created on first use
+        g1.generate(prompts[0], 4, proposer=proposer, gamma=a.gamma, stop_ids=[])
+        gb.generate_batch(prompts, 4, proposer=proposer, gamma=a.gamma, stop_ids=[])
+    for proposer in a.proposers.split(","):
+        t1, tb, identical = [], [], True
+        for _ in range(a.repeats):
+            began = time.perf_counter()
+            singles = [g1.generate(q, a.max_new_tokens, proposer=proposer, gamma=a.gamma, stop_ids=[]).tokens
+                       for q in prompts]
+            t1.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            batch = gb.generate_batch(prompts, a.max_new_tokens, proposer=proposer, gamma=a.gamma, stop_ids=[])
+            tb.append(time.perf_counter() - began)
+            identical &= [r.tokens for r in batch] == singles
+        tokens = len(prompts) * a.max_new_tokens
+        one, many = tokens / np.median(t1), tokens / np.median(tb)
+        rows.append({"proposer": proposer, "gamma": a.gamma if proposer != "none" else 0, "prompts": len(prompts),
+                     "batch1_tok_s": round(one, 1), "batch_tok_s": round(many, 1), "ratio": round(many / one, 2),
+                     "identical": identical})
+    print(f"| proposer | prompts | batch 1, one after another (tok/s) | batch {gb.batch} (tok/s) | ratio | identical |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        name = r["proposer"] + (f" g={r['gamma']}" if r["gamma"] else "")
+        print(f"| {name} | {r['prompts']} | {r['batch1_tok_s']} | {r['batch_tok_s']} | {r['ratio']:.2f}x | {r['identical']} |")
+    note = (f"{platform.processor() or platform.machine()}, threads {a.threads}, {a.max_new_tokens} new tokens per "
+            f"prompt, end to end (prefill included), median of {a.repeats}")
+    print(note)
+    if a.json:
+        json.dump({"argv": [a.one, a.many], "rows": rows, "note": note}, open(a.json, "w"), indent=1)
+    g1.close()
+    gb.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
