@@ -143,6 +143,63 @@ def test_step_mask_causal_equals_no_mask(tiny_models, tmp_path):
     assert np.abs(chain[0, :2] - branched[0, :2]).max() < LOGIT_TOL
 
 
+def test_spine_and_leaf_rows_of_a_tree_step_equal_decode_bitwise(tiny_models, tmp_path):
+    """docs/bundle.md: a tree row is position-consistent when its ancestors are step tokens 0..d-1. A tree
+    step over a spine (0 -> 1 -> 2) with leaves (3 under node 0, 4 under the root) gives, for every node,
+    bit for bit the logits of one-token decode steps along the node's path from the same cache."""
+    import onnxruntime as ort
+
+    from specedge.graphs.manifest import load_manifest
+
+    out = str(tmp_path / "b")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,),
+                                                              step_mask=True), progress=False)
+    entry = load_manifest(out).target
+    dims = entry.dims
+    sessions = {T: ort.InferenceSession(f"{out}/{entry.graph(C.STEP, T).file}", providers=["CPUExecutionProvider"])
+                for T in (1, 5)}
+    rng = np.random.default_rng(0)
+    L = 20
+    shape = (dims.num_layers,) + dims.cache_shape
+    keys, values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def run(T, ids, positions, length, mask, keys, values):
+        feeds = {C.INPUT_IDS: np.array([ids]), C.POSITION_IDS: np.array([positions]), C.CACHE_LEN: np.array([length])}
+        for i in range(dims.num_layers):
+            feeds[C.past_key(i)], feeds[C.past_value(i)] = keys[i], values[i]
+        if any(n.name == C.STEP_MASK for n in sessions[T].get_inputs()):
+            feeds[C.STEP_MASK] = mask
+        names = [o.name for o in sessions[T].get_outputs()]
+        res = dict(zip(names, sessions[T].run(None, feeds)))
+        for i in range(dims.num_layers):  # commit the step's entries after the valid ones
+            keys[i, :, :, length:length + T] = res[C.new_key(i)]
+            values[i, :, :, length:length + T] = res[C.new_value(i)]
+        return res[C.LOGITS][0]
+
+    one = np.ones((1, 1, 1), bool)
+    for t, token in enumerate(rng.integers(2, 1000, L)):  # the history, by decode steps
+        run(1, [int(token)], [t], t, one, keys, values)
+    tokens = [11, 12, 13, 14, 15]
+    parents = [-1, 0, 1, 0, -1]  # node index of each node's parent (-1: the pending token's child)
+    paths = []
+    for i in range(5):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        paths.append(path)
+    mask = np.zeros((1, 5, 5), bool)
+    for i, path in enumerate(paths):
+        mask[0, i, path] = True
+    depth = [len(p) - 1 for p in paths]
+    tree = run(5, tokens, [L + d for d in depth], L, mask, keys.copy(), values.copy())
+    for i, path in enumerate(paths):
+        k, v = keys.copy(), values.copy()
+        for d, node in enumerate(path):
+            row = run(1, [tokens[node]], [L + d], L + d, one, k, v)[0]
+        assert np.array_equal(tree[i], row), (i, path, float(np.abs(tree[i] - row).max()))
+
+
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2_path, smollm2_hf, tmp_path):
     out = str(tmp_path / "smol")
