@@ -78,19 +78,9 @@ class KVCache:
         self._bucket = bucket
         self.promotions += 1
 
-    def append(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], n: int) -> None:
-        """Store the first n entries of a step's new K/V ([B, H_kv, T, D] each) after the valid ones."""
-        start = self.used
-        if start + n > self.bucket:
-            raise ValueError(f"cache overflow: {start} + {n} > bucket {self.bucket}")
-        for buf, new in zip(self.keys, new_keys):
-            buf[:, :, start:start + n] = new[:, :, :n]
-        for buf, new in zip(self.values, new_values):
-            buf[:, :, start:start + n] = new[:, :, :n]
-        self.length[:] = start + n
-
-    def append_rows(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], counts: list[int]) -> None:
-        """Per row b, store the first counts[b] entries of a step's new K/V after that row's valid ones."""
+    def append(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], counts: list[int]) -> None:
+        """Per row b, store the first counts[b] entries of a step's new K/V ([B, H_kv, T, D] each) after that
+        row's valid ones."""
         for b, n in enumerate(counts):
             start = int(self.length[b])
             if start + n > self.bucket:

@@ -119,19 +119,23 @@ class ModelRunner:
         need = max(self.cache.bucket, self.cache.used + T)
         return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b))
 
-    def _execute(self, role: str, T: int, tokens) -> _Step:
-        n = len(tokens)
+    def _execute(self, role: str, T: int, rows) -> _Step:
+        """Run graph (role, T): row b feeds rows[b] (rows past len(rows), or empty, idle), padded to T, at its
+        own cache length; each row's new K/V go after its valid entries."""
         self.cache.use_bucket(self._bucket_for(role, T))
         step = self._step(role, T, self.cache.bucket)
-        start = self.cache.used
-        step.input_ids[0, :n] = tokens
-        step.input_ids[0, n:] = 0
-        step.position_ids[0] = np.arange(start, start + T)  # padding rows continue the positions
+        counts = [len(r) for r in rows] + [0] * (self.dims.batch - len(rows))
+        for b, n in enumerate(counts):
+            if n:
+                step.input_ids[b, :n] = rows[b]
+            step.input_ids[b, n:] = 0
+            start = self.cache.length[b]
+            step.position_ids[b] = np.arange(start, start + T)  # padding rows continue the positions
         began = time.perf_counter()
         step.session.run()
         self.graph_seconds += time.perf_counter() - began
         self.graph_runs += 1
-        self.cache.append(step.new_keys, step.new_values, n)
+        self.cache.append(step.new_keys, step.new_values, counts)
         return step
 
     def reserve(self, n: int) -> None:
@@ -146,7 +150,7 @@ class ModelRunner:
         T = self.step_graph_for(n)
         if T is None:
             raise ValueError(f"no step graph holds {n} tokens in {self.cache.free} free cache slots")
-        return self._execute(C.STEP, T, tokens).logits[0, :n]
+        return self._execute(C.STEP, T, [tokens]).logits[0, :n]
 
     def prefill(self, tokens) -> None:
         """Fill the cache with tokens in the fewest graph runs; no logits are kept."""
@@ -154,53 +158,28 @@ class ModelRunner:
         while done < len(tokens):
             role, T = self._prefill_plan(len(tokens) - done)
             n = min(T, len(tokens) - done)
-            self._execute(role, T, tokens[done:done + n])
+            self._execute(role, T, [tokens[done:done + n]])
             done += n
 
     # -- batches (runtime/batch.py) ------------------------------------------------------------------------
-    def run_rows(self, rows: list[list[int]], role: str = C.STEP) -> np.ndarray | None:
-        """One step for every row of the batch: row b feeds rows[b] (empty: an idle row, whose cache does
-        not change) at its own cache length, padded to the graph's T. Returns logits [B, T, V] (a view,
-        valid until the next run; None for a prefill graph). Each row's cache grows by len(rows[b])."""
+    def run_rows(self, rows: list[list[int]]) -> np.ndarray:
+        """One step for the rows of a batch: row b feeds rows[b] (empty: an idle row, whose cache does not
+        change). Returns logits [B, T, V] (a view, valid until the next run)."""
         n = max(1, max(len(r) for r in rows))
-        sizes = self.entry.prefill_tokens() if role == C.PREFILL else self._step_sizes
-        fits = [t for t in sizes if n <= t <= self.cache.free]
-        if not fits:
-            raise ValueError(f"no {role} graph holds {n} tokens in {self.cache.free} free cache slots")
-        T = min(fits)
-        self.cache.use_bucket(self._bucket_for(role, T))
-        step = self._step(role, T, self.cache.bucket)
-        lengths = self.cache.length
-        for b, tokens in enumerate(rows):
-            step.input_ids[b, :len(tokens)] = tokens
-            step.input_ids[b, len(tokens):] = 0
-            step.position_ids[b] = np.arange(lengths[b], lengths[b] + T)
-        began = time.perf_counter()
-        step.session.run()
-        self.graph_seconds += time.perf_counter() - began
-        self.graph_runs += 1
-        self.cache.append_rows(step.new_keys, step.new_values, [len(r) for r in rows])
-        return step.logits
+        T = self.step_graph_for(n)
+        if T is None:
+            raise ValueError(f"no step graph holds {n} tokens in {self.cache.free} free cache slots")
+        return self._execute(C.STEP, T, rows).logits
 
     def prefill_rows(self, prompts: list[list[int]]) -> None:
-        """Fill row b's cache with prompts[b] (rows past len(prompts) stay idle), all rows in the same steps:
-        full prefill chunks while some row has one, then the smallest graph in use that holds every row's
-        rest. A row with nothing left idles."""
-        B = self.dims.batch
-        chunk = max(self.entry.prefill_tokens(), default=0)
+        """Fill row b's cache with prompts[b], all rows in the same steps, planned like `prefill` for the row
+        with the most left; a row with nothing left (or past len(prompts)) idles."""
         done = [0] * len(prompts)
         while any(d < len(p) for d, p in zip(done, prompts)):
-            rest = max(len(p) - d for d, p in zip(done, prompts))
-            if chunk and rest >= chunk:
-                role, T = C.PREFILL, chunk
-            else:
-                holding = [t for t in self._step_sizes if t >= rest]
-                role, T = (C.STEP, min(holding)) if holding else (C.PREFILL, chunk)
-            rows = [[] for _ in range(B)]
-            for b, p in enumerate(prompts):
-                rows[b] = list(p[done[b]:done[b] + T])
-                done[b] += len(rows[b])
-            self.run_rows(rows, role)
+            role, T = self._prefill_plan(max(len(p) - d for d, p in zip(done, prompts)))
+            rows = [list(p[d:d + T]) for d, p in zip(done, prompts)]
+            self._execute(role, T, rows)
+            done = [d + len(r) for d, r in zip(done, rows)]
 
     def reset(self) -> None:
         self.cache.reset()
