@@ -343,11 +343,10 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
     mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
     if T > 1:  # where the step's scores, values and own entries go (shared by every layer)
-        step_cols = g.op("Expand", g.op("Add", g.op("Reshape", cache_len, g.ints(B, 1, 1, 1)),
-                                        g.const(np.arange(T, dtype=np.int64).reshape(1, 1, 1, T))),
+        length4 = g.op("Reshape", cache_len, g.ints(B, 1, 1, 1))
+        step_cols = g.op("Expand", g.op("Add", length4, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, 1, T))),
                          g.ints(B, Hkv, T * rep, T))  # [B, Hkv, T*rep, T]: slot of step token j
-        step_rows = g.op("Expand", g.op("Add", g.op("Reshape", cache_len, g.ints(B, 1, 1, 1)),
-                                        g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T, 1))),
+        step_rows = g.op("Expand", g.op("Add", length4, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T, 1))),
                          g.ints(B, Hkv, T, D))  # [B, Hkv, T, D]: slot of step token t's value row
         own_col = g.const(np.broadcast_to(np.repeat(np.arange(T, dtype=np.int64), rep).reshape(1, 1, T * rep, 1),
                                           (B, Hkv, T * rep, 1)).copy())  # row t*rep + r -> step token t
