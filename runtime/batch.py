@@ -26,7 +26,7 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength
-from .generator import GenerationResult
+from .generator import GenerationResult, check_gamma, check_request
 from .model import ModelRunner
 from .proposers import ngram_lookup
 from .sampling import SamplingParams, probs_from_logits
@@ -57,24 +57,15 @@ class BatchGenerator:
         self.backend.close()
 
     def _validate(self, prompts, max_new_tokens, proposer, gamma) -> None:
-        S, V = self.target.dims.context, self.target.dims.vocab_size
         if not 1 <= len(prompts) <= self.batch:
             raise GenerationError(f"{len(prompts)} prompts for a bundle of batch {self.batch} (export with "
                                   f"--batch N for up to N prompts at once)")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise GenerationError(f"prompt {i} is empty")
-            if len(p) >= S:
-                raise GenerationError(f"prompt {i} has {len(p)} tokens; the bundle's context holds {S}")
-            if any(not 0 <= t < V for t in p):
-                raise GenerationError(f"prompt {i} has a token id outside the vocabulary (0..{V - 1})")
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        check_request(prompts, self.target.dims, max_new_tokens)
         if proposer not in BATCH_PROPOSERS:
             raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
                                   f"{', '.join(BATCH_PROPOSERS)}")
-        if proposer != "none" and gamma + 1 not in self.manifest.target.step_tokens():
-            raise GenerationError(f"gamma {gamma} has no verify graph (T={gamma + 1}) in this bundle")
+        if proposer != "none":
+            check_gamma(self.manifest, gamma)
 
     def generate_batch(self, prompts, max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

@@ -83,27 +83,14 @@ class Generator:
 
     # -- validation ----------------------------------------------------------------------------------
     def _validate(self, prompt_ids, max_new_tokens, proposer, gamma) -> None:
-        S = self.target.dims.context
-        if len(prompt_ids) == 0:
-            raise GenerationError("the prompt is empty")
-        if len(prompt_ids) >= S:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens; the bundle's context holds {S}, "
-                                  "so prompts must be shorter than that")
-        bad = [t for t in prompt_ids if not 0 <= int(t) < self.target.dims.vocab_size]
-        if bad:
-            raise GenerationError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.dims.vocab_size - 1})")
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        check_request([prompt_ids], self.target.dims, max_new_tokens)
         if proposer not in PROPOSERS:
             raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
         if proposer == "draft" and self.draft is None:
             raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
                                   "--draft-layers), or use --proposer ngram")
         if proposer != "none":
-            verify = [t - 1 for t in self.manifest.target.step_tokens() if t > 1]
-            if gamma not in verify:
-                raise GenerationError(f"gamma {gamma} has no verify graph (T={gamma + 1}) in this bundle; "
-                                      f"exported gammas: {', '.join(map(str, verify)) or 'none'}")
+            check_gamma(self.manifest, gamma)
 
     def _proposer(self, name: str, ngram: tuple[int, int]):
         if name == "draft":
@@ -222,6 +209,31 @@ class Generator:
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)
+
+
+def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: int) -> None:
+    """Refuse prompts the graphs cannot run (one prompt: "the prompt"; several: "the prompt i")."""
+    S, V = dims.context, dims.vocab_size
+    for i, prompt in enumerate(prompts):
+        which = "" if len(prompts) == 1 else f" {i}"
+        if len(prompt) == 0:
+            raise GenerationError(f"the prompt{which} is empty")
+        if len(prompt) >= S:
+            raise GenerationError(f"the prompt{which} has {len(prompt)} tokens; the bundle's context holds {S}, "
+                                  "so prompts must be shorter than that")
+        bad = [t for t in prompt if not 0 <= int(t) < V]
+        if bad:
+            raise GenerationError(f"prompt{which} token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+
+
+def check_gamma(manifest: Manifest, gamma: int) -> None:
+    """A draft length needs the target's verify graph T = gamma + 1."""
+    verify = [t - 1 for t in manifest.target.step_tokens() if t > 1]
+    if gamma not in verify:
+        raise GenerationError(f"gamma {gamma} has no verify graph (T={gamma + 1}) in this bundle; "
+                              f"exported gammas: {', '.join(map(str, verify)) or 'none'}")
 
 
 def _shares_target_cache(manifest: Manifest) -> bool:
