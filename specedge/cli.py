@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import SpecedgeError
+from .errors import exit_status
 
 
 def _ints(text: str) -> list[int]:
@@ -317,14 +317,7 @@ COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generat
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except SpecedgeError as e:
-        print(f"specedge {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_status(args.command, lambda: COMMANDS[args.command](args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
 """Errors a user can cause. The CLI prints their one-line message and exits with status 2."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
 
 
 class SpecedgeError(Exception):
@@ -19,3 +23,16 @@ class BackendError(SpecedgeError):
 
 class GenerationError(SpecedgeError, ValueError):
     """Bad generation input: prompt too long, bad sampling parameters, unsupported proposer or gamma."""
+
+
+def exit_status(command: str, run: Callable[[], int]) -> int:
+    """Run a command-line entry point: a SpecedgeError becomes one line on stderr and status 2, an interrupt
+    status 130, never a traceback."""
+    try:
+        return run()
+    except SpecedgeError as e:
+        print(f"specedge {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

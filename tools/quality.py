@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SpecedgeError
+from ..errors import SpecedgeError, exit_status
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TEXT = os.path.join("benchmarks", "quality", "text.txt")
@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     text = args.text
     if text is None:
         text = DEFAULT_TEXT if os.path.isfile(DEFAULT_TEXT) else os.path.join(REPO_ROOT, DEFAULT_TEXT)
-    try:
+
+    def run() -> int:
         result, rows, targets = run_quality(args.bundles, args.peer, args.gguf, text, args.window, args.threads,
                                             args.cache_dir, args.backend)
         print(render_table(rows, targets))
@@ -395,13 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note}")
         if args.json:
             write_json(args.json, result, rows)
-    except SpecedgeError as e:
-        print(f"specedge quality: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+        return 0
+
+    return exit_status("quality", run)
 
 
 if __name__ == "__main__":
