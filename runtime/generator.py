@@ -56,6 +56,7 @@ class Generator:
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)
+        self.active_session = None  # the runtime.session.Session whose entries the caches hold, if any
 
     @classmethod
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "Generator":
@@ -128,10 +129,12 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
-               ngram: tuple[int, int] = (2, 4), adaptive: bool = True) -> Iterator[list[int]]:
+               ngram: tuple[int, int] = (2, 4), adaptive: bool = True, reuse: bool = False) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
-        `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling."""
+        `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling.
+        `reuse` keeps the cached prefix that the last generation (or a restored session) shares with this
+        prompt and prefills only the rest; the output is the same as without it (runtime/session.py)."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         except ValueError as e:
@@ -149,63 +152,79 @@ class Generator:
 
         self._warm(proposer, gamma)
         stats.start()
-        target.reset()
-        target.prefill(prompt[:-1])
-        drafter.start(prompt)
+        if not reuse:
+            target.reset()
+        stats.reused_tokens = target.prefill_reusing(prompt[:-1])
+        drafter.start(prompt, reuse)
         stats.prefill_ms = stats.ms_since_start()
         graph_after_prefill = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
         context = list(prompt)
         emitted = 0
         reason = ""
-        while not reason:
-            if target.cache.free < 1:
-                reason = "context_full"
-                break
-            t0 = time.perf_counter()
-            k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
-            proposal = drafter.propose(context, k, sampler)
-            t1 = time.perf_counter()
-            base = target.cache.used
-            logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
-            t2 = time.perf_counter()
-            if params.greedy:
-                n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
+        clean = True  # the caches hold exactly what the loop committed (false while a round runs)
+        try:
+            while not reason:
+                if target.cache.free < 1:
+                    reason = "context_full"
+                    break
+                clean = False
+                t0 = time.perf_counter()
+                k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
+                proposal = drafter.propose(context, k, sampler)
+                t1 = time.perf_counter()
+                base = target.cache.used
+                logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+                t2 = time.perf_counter()
+                if params.greedy:
+                    n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
+                else:
+                    p = probs_from_logits(logits, params)
+                    n_accepted, next_token = accept_sampling(np.asarray(proposal.tokens, np.int64),
+                                                             proposal.draft_probs, p, sampler.rng)
+                target.cache.set_length(base + 1 + n_accepted)
+                drafter.commit(n_accepted, next_token)
+                length.update(len(proposal.tokens), n_accepted)
+                new = proposal.tokens[:n_accepted] + [int(next_token)]
+                for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
+                    if token in stop:
+                        new, reason = new[: i + 1], "stop"
+                        break
+                    if emitted + i + 1 >= max_new_tokens:
+                        new, reason = new[: i + 1], "max_new_tokens"
+                        break
+                context += new
+                emitted += len(new)
+                stats.record_round(len(proposal.tokens), len(new) - 1)
+                stats.record_tokens(len(new))
+                stats.draft_ms += (t1 - t0) * 1e3
+                stats.verify_ms += (t2 - t1) * 1e3
+                stats.commit_ms += (time.perf_counter() - t2) * 1e3
+                clean = True
+                yield new
+        finally:  # also when the consumer stops early (a client gone): the cache stays reusable
+            self._keep_history(context[:-1] if clean else None, drafter)
+            graph_after = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
+            stats.graph_ms = (graph_after - graph_before) * 1e3
+            stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
+            stats.finish(reason or ("cancelled" if clean else "error"))
+
+    def _keep_history(self, committed: list[int] | None, drafter) -> None:
+        """Record what the caches hold after a generation, for the next prefill to reuse (None: unknown)."""
+        runners = [self.target] + ([self.draft] if isinstance(drafter, DraftModelProposer) else [])
+        for runner in runners:
+            if committed is None:
+                runner.history = []
             else:
-                p = probs_from_logits(logits, params)
-                n_accepted, next_token = accept_sampling(np.asarray(proposal.tokens, np.int64),
-                                                         proposal.draft_probs, p, sampler.rng)
-            target.cache.set_length(base + 1 + n_accepted)
-            drafter.commit(n_accepted, next_token)
-            length.update(len(proposal.tokens), n_accepted)
-            new = proposal.tokens[:n_accepted] + [int(next_token)]
-            for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
-                if token in stop:
-                    new, reason = new[: i + 1], "stop"
-                    break
-                if emitted + i + 1 >= max_new_tokens:
-                    new, reason = new[: i + 1], "max_new_tokens"
-                    break
-            context += new
-            emitted += len(new)
-            stats.record_round(len(proposal.tokens), len(new) - 1)
-            stats.record_tokens(len(new))
-            stats.draft_ms += (t1 - t0) * 1e3
-            stats.verify_ms += (t2 - t1) * 1e3
-            stats.commit_ms += (time.perf_counter() - t2) * 1e3
-            yield new
-        graph_after = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
-        stats.graph_ms = (graph_after - graph_before) * 1e3
-        stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
-        stats.finish(reason)
+                runner.keep_history(committed)
 
     def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
-                 adaptive: bool = True) -> GenerationResult:
+                 adaptive: bool = True, reuse: bool = False) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
-                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive):
+                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)

@@ -107,6 +107,21 @@ class KVCache:
         self.length[:] = 0
         self._bucket = self.buckets[0]
 
+    # -- snapshots (runtime/session.py) --------------------------------------------------------------
+    def read_entries(self) -> list[np.ndarray]:
+        """Copies of the valid entries of a batch-1 cache: per layer K then V, each [H_kv, n, D]."""
+        n = self.used
+        return [np.array(buf[0, :, :n]) for buf in self.keys + self.values]
+
+    def write_entries(self, entries: list[np.ndarray]) -> None:
+        """Replace the cache with entries from read_entries, in the smallest bucket that leaves a free slot."""
+        n = entries[0].shape[1] if entries else 0
+        self.reset()
+        self.use_bucket(next((b for b in self.buckets if b > n), self.buckets[-1]))
+        for buf, entry in zip(self.keys + self.values, entries):
+            buf[0, :, :n] = entry
+        self.set_length(n)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for k, v in self._buffers.values() for a in k + v)

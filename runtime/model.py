@@ -54,6 +54,9 @@ class ModelRunner:
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
+        # The tokens whose K/V the cache holds (slot i <-> history[i]) when a generation ended cleanly; empty
+        # while one runs or after it failed, so a later prefill never trusts entries it cannot name.
+        self.history: list[int] = []
 
     # -- sessions ------------------------------------------------------------------------------------
     def _step(self, role: str, tokens: int, context: int) -> _Step:
@@ -181,13 +184,42 @@ class ModelRunner:
             self._execute(role, T, rows)
             done = [d + len(r) for d, r in zip(done, rows)]
 
+    def prefill_reusing(self, tokens: list[int]) -> int:
+        """Fill the cache with tokens, keeping the longest prefix it already holds (see `history`): a
+        divergence rolls back by setting cache_len, nothing before it is recomputed. Returns the tokens kept."""
+        keep = common_prefix(self.history, tokens)
+        self.history = []
+        if keep:
+            self.cache.set_length(keep)
+        else:
+            self.reset()
+        self.prefill(tokens[keep:])
+        return keep
+
+    def keep_history(self, committed: list[int]) -> None:
+        """A generation ended with the cache holding a prefix of `committed` (a round cut by a stop token or
+        the token limit may have stored accepted tokens past the output): keep exactly committed[:n]."""
+        n = min(self.cache.used, len(committed))
+        self.cache.set_length(n)
+        self.history = list(committed[:n])
+
     def reset(self) -> None:
         self.cache.reset()
+        self.history = []
 
     def close(self) -> None:
         for step in self._steps.values():
             step.session.close()
         self._steps.clear()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def _check_io(graph: GraphEntry, dims: C.ModelDims, session) -> None:

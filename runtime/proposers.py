@@ -1,6 +1,7 @@
 """Proposers: where draft tokens come from. One small interface, three implementations.
 
-  start(prompt)                 the prompt is committed; its last token is pending (not yet in any cache)
+  start(prompt, reuse)          the prompt is committed; its last token is pending (not yet in any cache);
+                                reuse: keep what the proposer's cache already holds of it
   propose(context, k, sampler)  up to k draft tokens continuing `context` (prompt + output so far, pending
                                 last) and their real draft distributions q [k, V], or None when q is a
                                 point mass (a deterministic proposer)
@@ -52,7 +53,7 @@ class Sampler:
 class NoProposer:
     name = "none"
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], reuse: bool = False) -> None:
         pass
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
@@ -72,7 +73,7 @@ class NgramProposer:
             raise ValueError(f"ngram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], reuse: bool = False) -> None:
         pass
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
@@ -108,9 +109,10 @@ class DraftModelProposer:
         self._proposed: list[int] = []
         self._base = 0
 
-    def start(self, prompt: list[int]) -> None:
-        self.runner.reset()
-        self.runner.prefill(prompt[:-1])
+    def start(self, prompt: list[int], reuse: bool = False) -> None:
+        if not reuse:
+            self.runner.reset()
+        self.runner.prefill_reusing(prompt[:-1])
         self._behind = []
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
@@ -154,8 +156,8 @@ class LayerDraftProposer:
     def __init__(self, runner: ModelRunner, target: ModelRunner):
         self.runner, self.target = runner, target
 
-    def start(self, prompt: list[int]) -> None:
-        self.runner.reset()
+    def start(self, prompt: list[int], reuse: bool = False) -> None:
+        self.runner.reset()  # its length only: the entries it reads are the target's
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         if k < 1:

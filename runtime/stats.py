@@ -15,6 +15,7 @@ class Stats:
     proposer: str = "none"
     gamma: int = 0
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose K/V a session's cache already held (not prefilled again)
     new_tokens: int = 0
     rounds: int = 0
     proposed: int = 0

@@ -25,6 +25,10 @@ class GenerationError(SpecedgeError, ValueError):
     """Bad generation input: prompt too long, bad sampling parameters, unsupported proposer or gamma."""
 
 
+class SessionError(SpecedgeError, ValueError):
+    """A session file that is missing, damaged, or belongs to another bundle."""
+
+
 def exit_status(command: str, run: Callable[[], int]) -> int:
     """Run a command-line entry point: a SpecedgeError becomes one line on stderr and status 2, an interrupt
     status 130, never a traceback."""

@@ -156,7 +156,7 @@ class ScriptedProposer:
         self.prompt_len, self.reference, self.wrong, self.vocab = prompt_len, reference, list(wrong), vocab
         self.expected: list[int] = []  # accepted drafts the loop should report, round by round
 
-    def start(self, prompt):
+    def start(self, prompt, reuse=False):
         pass
 
     def propose(self, context, k, sampler):
