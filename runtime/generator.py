@@ -102,7 +102,7 @@ class Generator:
             return NgramProposer(*ngram)
         return NoProposer()
 
-    def _warm(self, proposer: str, gamma: int) -> None:
+    def warm(self, proposer: str, gamma: int) -> None:
         """Choose and create the sessions this run uses, so a broken graph fails before any output and no
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
         (shorter proposals pad into it), and the draft's graphs when it drafts. Sessions are kept."""
@@ -150,7 +150,7 @@ class Generator:
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
-        self._warm(proposer, gamma)
+        self.warm(proposer, gamma)
         stats.start()
         if not reuse:
             target.reset()

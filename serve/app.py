@@ -1,0 +1,199 @@
+"""The HTTP face of the engine: OpenAI-compatible routes on FastAPI (served by uvicorn or Ray Serve).
+
+  POST /v1/chat/completions   messages -> the bundle's chat template; stream or not
+  POST /v1/completions        prompt text (or token ids); stream or not
+  GET  /v1/models             the one model this server runs (its id: the bundle's directory name)
+  GET  /health                200 while the engine's worker is alive
+  GET  /metrics               Prometheus text format (serve/metrics.py)
+
+Streaming uses server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; with
+`stream_options.include_usage` a last chunk carries the usage. A client that disconnects cancels its job.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from .engine import Engine, EngineConfig, Event, Job, QueueFull, check_speculation
+from .protocol import (RequestError, chunk_body, completion_body, error_body, parse_request, usage,
+                       usage_chunk)
+
+
+@dataclass
+class ServerConfig:
+    bundle: str
+    backend: str = "cpu"
+    threads: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model_id: str | None = None  # default: the bundle's directory name
+
+    @property
+    def model(self) -> str:
+        return self.model_id or os.path.basename(os.path.normpath(self.bundle))
+
+
+def load_engine(config: ServerConfig) -> Engine:
+    """Load the bundle and start the worker (errors are SpecedgeErrors: the CLI prints them)."""
+    from ..runtime.generator import Generator
+
+    gen = Generator.load(config.bundle, backend=config.backend, threads=config.threads)
+    try:
+        check_speculation(gen, config.engine.proposer, config.engine.gamma)
+        engine = Engine(gen, config.engine, config.model)
+        # Sessions are created on first use; create the default configuration's now, not in a request.
+        gen.warm(config.engine.proposer, config.engine.gamma)
+        return engine
+    except BaseException:
+        gen.close()
+        raise
+
+
+def create_app(config: ServerConfig, engine: Engine | None = None):
+    """The FastAPI app. Without `engine`, the app loads one at startup and closes it at shutdown (how each
+    Ray Serve replica gets its own generator)."""
+    state = {"engine": engine}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        owned = state["engine"] is None
+        if owned:
+            state["engine"] = await asyncio.to_thread(load_engine, config)
+        try:
+            yield
+        finally:
+            if owned:
+                await asyncio.to_thread(state["engine"].close)
+
+    app = FastAPI(title="specedge", lifespan=lifespan)
+    model = config.model
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc):  # a bug fails its request, not the server
+        return error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        eng = state["engine"]
+        alive = eng is not None and eng._worker.is_alive()
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specedge"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        eng = state["engine"]
+        return PlainTextResponse(eng.metrics.exposition(eng.pending), media_type="text/plain; version=0.0.4")
+
+    async def complete(request: Request, chat: bool):
+        eng: Engine = state["engine"]
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            eng.metrics.count_request("invalid")
+            return error(400, "the request body is not valid JSON")
+        try:
+            req = parse_request(body, chat, model)
+            job = eng.submit(req, asyncio.get_running_loop())
+        except RequestError as e:
+            eng.metrics.count_request("invalid")
+            return JSONResponse(e.body(), status_code=e.status)
+        except QueueFull as e:
+            return error(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if req.stream:
+            return StreamingResponse(_sse(job, model), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(job, model, request)
+
+    async def _collect(job: Job, model: str, request: Request):
+        parts = []
+        try:
+            while True:
+                try:
+                    ev: Event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; the job is cancelled below
+                    continue
+                if ev.kind == "text":
+                    parts.append(ev.text)
+                elif ev.kind == "error":
+                    return error(ev.status, ev.text, "server_error" if ev.status >= 500 else "invalid_request_error")
+                else:
+                    return completion_body(job.request, model, "".join(parts), ev.finish, _usage(job, ev),
+                                           _extra(ev))
+        finally:
+            job.cancel()  # a no-op when it finished
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    return app
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", **kw) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, kw.get("param"), kw.get("code")), status_code=status,
+                        headers=kw.get("headers"))
+
+
+def _usage(job: Job, ev: Event) -> dict:
+    return usage(len(job.prompt_ids), ev.stats.new_tokens, ev.stats.reused_tokens)
+
+
+def _extra(ev: Event) -> dict:
+    s = ev.stats
+    return {"proposer": s.proposer, "gamma": s.gamma, "rounds": s.rounds, "proposed": s.proposed,
+            "accepted": s.accepted, "reused_prompt_tokens": s.reused_tokens, "ttft_ms": round(s.ttft_ms, 3),
+            "tokens_per_s": round(s.tokens_per_s, 3)}
+
+
+async def _sse(job: Job, model: str):
+    def data(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    req = job.request
+    try:
+        if req.chat:
+            yield data(chunk_body(req, model, "", None, first=True))
+        while True:
+            ev: Event = await job.events.get()
+            if ev.kind == "text":
+                yield data(chunk_body(req, model, ev.text, None))
+            elif ev.kind == "error":  # the status line is gone: OpenAI-style error event, then the end
+                yield data(error_body(ev.text, "server_error" if ev.status >= 500 else "invalid_request_error"))
+                return
+            else:
+                yield data(chunk_body(req, model, None, ev.finish))
+                if req.include_usage:
+                    yield data(usage_chunk(req, model, _usage(job, ev)))
+                yield "data: [DONE]\n\n"
+                return
+    finally:  # also when the client disconnects: Starlette cancels this generator
+        job.cancel()
+
+
+def serve_forever(config: ServerConfig, host: str, port: int) -> int:
+    """`specedge serve`: load first (a bad bundle is a one-line error before any socket opens), then run."""
+    import uvicorn
+
+    engine = load_engine(config)
+    app = create_app(config, engine)
+    print(f"specedge: serving {config.model} on http://{host}:{port}/v1 ({engine.gen.target.dims.context}-token "
+          f"context, proposer {config.engine.proposer}, gamma {config.engine.gamma})", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
+    return 0

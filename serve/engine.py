@@ -1,0 +1,193 @@
+"""The serving engine: one worker thread owns the generator; requests wait in a bounded queue.
+
+Why one worker: a generator's caches and sessions are single-threaded state, and on a small device one
+sequence already uses every core (onnxruntime's intra-op threads), so running requests one after another
+loses little throughput and can never corrupt a cache. Greedy outputs are therefore the outputs of the same
+requests run one by one, by construction. Conversations are resumed from the SnapshotStore: a follow-up
+turn prefills only what its cache lacks, even when other requests ran in between.
+
+The HTTP side (app.py) submits a Job and reads its events from an asyncio queue; the worker publishes
+events with call_soon_threadsafe. A job cancelled by its client (a disconnect) stops at the next round, and
+one that is still queued never starts: its slot is free at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import GenerationError, SpecedgeError
+from ..runtime.generator import Generator, check_gamma
+from ..runtime.session import SnapshotStore
+from ..runtime.stats import Stats
+from .metrics import Metrics
+from .protocol import CompletionRequest, RequestError
+from .text_stream import TextStream
+
+
+@dataclass
+class EngineConfig:
+    proposer: str = "ngram"  # server defaults; a request may override them (protocol.py)
+    gamma: int = 8
+    max_tokens: int = 256  # when a request gives none
+    max_queue: int = 16  # requests waiting or running; more are refused with 429
+    session_bytes: int = 256 << 20  # snapshots of recent conversations kept for prefix reuse
+
+
+@dataclass
+class Event:
+    kind: str  # "text", "done" or "error"
+    text: str = ""
+    finish: str | None = None  # done: "stop" or "length"
+    stats: Stats | None = None
+    status: int = 500  # error
+
+
+@dataclass
+class Job:
+    request: CompletionRequest
+    prompt_ids: list[int]
+    max_tokens: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def publish(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def check_speculation(gen: Generator, proposer: str, gamma: int) -> None:
+    """The proposer must exist in the bundle and gamma must have a verify graph (GenerationError if not)."""
+    if proposer == "draft" and gen.draft is None:
+        raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
+    if proposer != "none":
+        check_gamma(gen.manifest, gamma)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    def __init__(self, gen: Generator, config: EngineConfig, model_id: str):
+        self.gen, self.config, self.model_id = gen, config, model_id
+        self.store = SnapshotStore(gen, max_bytes=config.session_bytes)
+        self.metrics = Metrics()
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._pending = 0  # queued + running, bounded by max_queue
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="specedge-engine", daemon=True)
+        self._worker.start()
+
+    # -- request side (event loop thread) --------------------------------------------------------------
+    def tokenize(self, req: CompletionRequest) -> list[int]:
+        tok = self.gen.tokenizer
+        if isinstance(req.prompt, list):
+            ids = req.prompt
+        elif tok is None:
+            raise RequestError("this bundle has no tokenizer: send the prompt as token ids (completions)")
+        else:
+            try:
+                ids = tok.apply_chat_template(req.messages) if req.chat else tok.encode(req.prompt)
+            except SpecedgeError as e:
+                raise RequestError(str(e)) from None
+        dims = self.gen.target.dims
+        if len(ids) >= dims.context:
+            raise RequestError(f"this model's context holds {dims.context} tokens; the prompt has {len(ids)}",
+                               param="messages" if req.chat else "prompt", code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < dims.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{dims.vocab_size - 1})",
+                               param="prompt")
+        return ids
+
+    def submit(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        ids = self.tokenize(req)
+        room = self.gen.target.dims.context - len(ids)
+        job = Job(req, ids, min(req.max_tokens or self.config.max_tokens, room), loop)
+        self._check_speculation(req)
+        with self._lock:
+            if self._pending >= self.config.max_queue:
+                self.metrics.count_request("rejected")
+                raise QueueFull(f"the server is busy ({self._pending} requests queued or running); retry later")
+            self._pending += 1
+        self._queue.put(job)
+        return job
+
+    def _check_speculation(self, req: CompletionRequest) -> None:
+        try:
+            check_speculation(self.gen, req.proposer or self.config.proposer, req.gamma or self.config.gamma)
+        except SpecedgeError as e:
+            raise RequestError(str(e), param="gamma" if "gamma" in str(e) else "proposer") from None
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+        self.gen.close()
+
+    # -- worker thread ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.cancelled.is_set():
+                    self.metrics.count_request("cancelled")
+                    continue
+                self.metrics.running = 1
+                self._run(job)
+            except SpecedgeError as e:  # a request the generator refuses: the client's fault
+                self.metrics.count_request("error")
+                job.publish(Event("error", text=str(e), status=400))
+            except Exception as e:  # a bug: this request fails, the server keeps serving
+                self.metrics.count_request("error")
+                job.publish(Event("error", text=f"internal error: {type(e).__name__}: {e}", status=500))
+            finally:
+                self.metrics.running = 0
+                with self._lock:
+                    self._pending -= 1
+
+    def _run(self, job: Job) -> None:
+        req, cfg = job.request, self.config
+        proposer = req.proposer or cfg.proposer
+        self.store.prepare(job.prompt_ids)
+        stats = Stats()
+        text = TextStream(self.gen.tokenizer.decode, req.stop) if self.gen.tokenizer else None
+        rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=proposer,
+                                 gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
+                                 top_p=req.top_p, seed=req.seed, stats=stats, reuse=True)
+        finish = None
+        try:
+            for new in rounds:
+                piece = text.push(new) if text else " ".join(map(str, new)) + " "
+                if piece:
+                    job.publish(Event("text", piece))
+                if text and text.stopped:
+                    finish = "stop"
+                    break
+                if job.cancelled.is_set():
+                    break
+        finally:
+            rounds.close()  # ends the generation cleanly: its cache stays reusable
+        if job.cancelled.is_set():
+            self.metrics.count_request("cancelled")
+            return
+        if text:
+            rest = text.flush()
+            if rest:
+                job.publish(Event("text", rest))
+        if finish is None:
+            finish = "stop" if stats.stop_reason == "stop" else "length"
+        self.metrics.record(stats, time.perf_counter() - job.submitted)
+        job.publish(Event("done", finish=finish, stats=stats))

@@ -1,0 +1,191 @@
+"""The OpenAI request and response shapes the server speaks, validated without a schema library.
+
+Requests are parsed into one `CompletionRequest` for both routes; anything we cannot honour exactly is a
+`RequestError` (an OpenAI-style error body and a 4xx status) rather than being silently ignored.
+
+Extensions (documented in the README): `proposer` ("none", "ngram" or "draft"), `gamma` (drafts per
+round; needs a verify graph in the bundle) and `top_k`. The `openai` client sends them with
+`extra_body={"proposer": "ngram", "gamma": 8}`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class RequestError(Exception):
+    """A request the server refuses: `status`, and the OpenAI error fields."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class CompletionRequest:
+    chat: bool
+    messages: list[dict] | None  # chat
+    prompt: str | list[int] | None  # completions: text or token ids
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    proposer: str | None
+    gamma: int | None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise RequestError("you must provide a model parameter", param="model")
+    if model != model_id:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {model_id!r}", status=404,
+                           param="model", code="model_not_found")
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestError("n > 1 is not supported: send one request per choice", param="n", code="unsupported")
+    for name in ("logprobs", "tools", "functions", "response_format", "logit_bias", "suffix", "echo"):
+        if body.get(name) not in (None, False, {}, []):
+            raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name, 0) not in (0, 0.0):
+            raise RequestError(f"{name} is not supported (speculative decoding keeps the model's own "
+                               "distribution)", param=name, code="unsupported")
+    if body.get("best_of", 1) != 1:
+        raise RequestError("best_of > 1 is not supported", param="best_of", code="unsupported")
+
+    messages = prompt = None
+    if chat:
+        messages = _messages(body.get("messages"))
+    else:
+        prompt = _prompt(body.get("prompt"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise RequestError("max_tokens must be a positive integer", param="max_tokens")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError("top_p must be in (0, 1]", param="top_p")
+    top_k = body.get("top_k", 0)
+    if not _is_int(top_k) or top_k < 0:
+        raise RequestError("top_k must be a non-negative integer (0 = no limit)", param="top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise RequestError("seed must be a non-negative integer", param="seed")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them",
+                           param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", param="stream_options")
+    proposer = body.get("proposer")
+    if proposer is not None and proposer not in ("none", "ngram", "draft"):
+        raise RequestError("proposer must be 'none', 'ngram' or 'draft'", param="proposer")
+    gamma = body.get("gamma")
+    if gamma is not None and (not _is_int(gamma) or gamma < 1):
+        raise RequestError("gamma must be a positive integer", param="gamma")
+    return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
+                             bool(options.get("include_usage")), proposer, gamma)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    x = body.get(name)
+    if x is None:
+        return default
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:
+        raise RequestError(f"{name} must be a number between {lo:g} and {hi:g}", param=name)
+    return float(x)
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}]")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return prompt
+    raise RequestError("prompt must be a non-empty string or a list of token ids (one prompt per request)",
+                       param="prompt")
+
+
+# -- responses ------------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_body(req: CompletionRequest, model: str, text: str, finish: str, use: dict, extra: dict) -> dict:
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice],
+            "usage": use, "specedge": extra}
+
+
+def chunk_body(req: CompletionRequest, model: str, text: str | None, finish: str | None, first: bool = False) -> dict:
+    if req.chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        kind, prefix = "chat.completion.chunk", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(req: CompletionRequest, model: str, use: dict) -> dict:
+    kind, prefix = ("chat.completion.chunk", "chatcmpl-") if req.chat else ("text_completion", "cmpl-")
+    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [],
+            "usage": use}

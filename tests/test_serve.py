@@ -1,0 +1,348 @@
+"""specedge serve, tested with the official openai client against a real server on loopback.
+
+The oracle is a separate Generator on the same bundle running plain greedy decode: whatever the server does
+(speculation, prefix reuse, concurrency), its greedy text must be that text.
+"""
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from openai import APIStatusError, OpenAI
+
+from specedge.runtime.generator import Generator
+from specedge.serve.app import ServerConfig, create_app, load_engine
+from specedge.serve.engine import EngineConfig
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """uvicorn in a thread of the test process, on a free loopback port."""
+
+    def __init__(self, bundle: str, **engine_options):
+        self.config = ServerConfig(bundle, threads=1, engine=EngineConfig(**engine_options), model_id=MODEL)
+        self.engine = load_engine(self.config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(create_app(self.config, self.engine), host="127.0.0.1",
+                                                     port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 20
+        while not self._server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kw) -> OpenAI:
+        return OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+
+    def healthy(self) -> bool:
+        return httpx.get(self.url + "/health").json() == {"status": "ok"}
+
+    def close(self):
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle):
+    s = Server(tiny_bundle, proposer="ngram", gamma=4, max_tokens=24, max_queue=16)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_bundle):
+    g = Generator.load(tiny_bundle)
+    yield g
+    g.close()
+
+
+def words(seed: int, n: int) -> str:
+    """A prompt in the tiny word tokenizer's language, half of it repeated (prompt lookup finds drafts)."""
+    ids = np.random.default_rng(seed).integers(5, 1000, (n + 1) // 2).tolist()
+    return " ".join(f"t{i}" for i in (ids + ids)[:n])
+
+
+def expected(oracle, ids: list[int], max_tokens: int) -> str:
+    out = oracle.generate(ids, max_tokens, proposer="none")
+    return oracle.tokenizer.decode(out.tokens)
+
+
+def chat_ids(oracle, messages) -> list[int]:
+    return oracle.tokenizer.apply_chat_template(messages)
+
+
+def test_chat_and_completions_equal_plain_greedy_decode(server, oracle):
+    client = server.client()
+    for proposer in ("none", "ngram", "draft"):
+        messages = [{"role": "user", "content": words(1, 30)}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"proposer": proposer})
+        assert r.choices[0].message.content == expected(oracle, chat_ids(oracle, messages), 20)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.model_extra["specedge"]["proposer"] == proposer
+        prompt = words(2, 25)
+        c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"proposer": proposer})
+        assert c.choices[0].text == expected(oracle, oracle.tokenizer.encode(prompt), 20)
+        assert c.usage.prompt_tokens == 25 and c.usage.completion_tokens <= 20
+    stats = r.model_extra["specedge"]
+    assert stats["proposed"] > 0 and stats["rounds"] > 0  # the speculative path ran over HTTP
+
+
+def test_streaming_chat_sends_the_same_text_in_chunks_then_usage(server, oracle):
+    client = server.client()
+    messages = [{"role": "user", "content": words(3, 40)}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, finish, use, roles = [], None, None, []
+    for chunk in stream:
+        if chunk.usage:
+            use = chunk.usage
+        for choice in chunk.choices:
+            roles.append(choice.delta.role)
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected(oracle, chat_ids(oracle, messages), 24)
+    assert roles[0] == "assistant" and len([p for p in pieces if p]) > 1
+    assert finish in ("stop", "length") and use.completion_tokens > 0
+    text = server.client().completions.create(model=MODEL, prompt=words(4, 20), max_tokens=16, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in text if c.choices) == \
+        expected(oracle, oracle.tokenizer.encode(words(4, 20)), 16)
+
+
+def test_stop_strings_cut_the_text_before_them(server, oracle):
+    prompt = words(5, 20)
+    full = expected(oracle, oracle.tokenizer.encode(prompt), 24)
+    stop = " ".join(full.split(" ")[3:5])  # two words from the middle of the output
+    r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    s = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                           stream=True)
+    assert "".join(c.choices[0].text for c in s if c.choices) == full[: full.index(stop)]
+
+
+def test_eight_concurrent_greedy_requests_equal_their_sequential_outputs(server, oracle):
+    prompts = [[{"role": "user", "content": words(10 + i, 20 + 7 * i)}] for i in range(8)]
+    want = [expected(oracle, chat_ids(oracle, m), 24) for m in prompts]
+
+    def ask(i):
+        client = server.client()
+        kw = dict(model=MODEL, messages=prompts[i], max_tokens=24, temperature=0,
+                  extra_body={"proposer": ("none", "ngram", "draft")[i % 3]})
+        if i % 2:
+            return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+        return client.chat.completions.create(**kw).choices[0].message.content
+
+    before = server.metrics()['specedge_requests_total{status="ok"}']
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert got == want
+    assert server.metrics()['specedge_requests_total{status="ok"}'] == before + 8
+
+
+def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
+    client = server.client()
+    history = [{"role": "user", "content": words(20, 60)}]
+    r1 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=20, temperature=0)
+    # Another conversation runs in between: the first one's cache is stashed, then restored.
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(21, 50)}],
+                                   max_tokens=10, temperature=0)
+    history += [{"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": words(22, 10)}]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=20, temperature=0)
+    ids = chat_ids(oracle, history)
+    assert r2.choices[0].message.content == expected(oracle, ids, 20)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # Turn 1's prompt ended with the generation prompt, which the next rendering replaces by the assistant
+    # turn: everything before it is reused.
+    assert cached >= len(chat_ids(oracle, history[:1])) - 1 and cached < len(ids)
+    assert r2.model_extra["specedge"]["reused_prompt_tokens"] == cached
+
+
+@pytest.mark.parametrize("body,status,fragment", [
+    ({"messages": [{"role": "user", "content": "t5"}]}, 400, "model parameter"),
+    ({"model": "other", "messages": [{"role": "user", "content": "t5"}]}, 404, "does not exist"),
+    ({"model": MODEL}, 400, "messages must be a non-empty list"),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages must be a non-empty list"),
+    ({"model": MODEL, "messages": [{"content": "t5"}]}, 400, "with a role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": words(0, 200)}]}, 400, "context holds 128"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 2}, 400, "n > 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "seed": "x"}, 400, "seed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "gamma": 3}, 400, "gamma 3"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "proposer": "medusa"}, 400, "proposer"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": [1]}, 400, "stop"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"]
+    assert server.healthy()
+    ok = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5 t6"}],
+                                                  max_tokens=3, temperature=0)
+    assert ok.choices[0].message.content
+
+
+def test_malformed_json_and_bad_prompts_are_400s(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [5, 100000]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    with pytest.raises(APIStatusError) as e:  # the openai client raises its own typed errors
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5"}],
+                                                top_p=0)
+    assert e.value.status_code == 400
+    assert server.metrics()['specedge_requests_total{status="invalid"}'] >= 3
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert server.healthy()
+    m = server.metrics()
+    for name in ("specedge_completion_tokens_total", "specedge_draft_tokens_proposed_total", "specedge_queue_depth",
+                 "specedge_tokens_per_second", "specedge_acceptance_ratio", "specedge_reused_prompt_tokens_total"):
+        assert name in m
+    assert m["specedge_completion_tokens_total"] > 0 and m["specedge_queue_depth"] == 0
+
+
+# -- a slow device: rounds that take time, so that disconnects and full queues can be observed -----------------
+@pytest.fixture
+def slow_server(tiny_bundle):
+    s = Server(tiny_bundle, proposer="none", gamma=4, max_tokens=100, max_queue=2)
+    gen = s.engine.gen
+    real = gen.stream
+
+    def slow_stream(*args, **kwargs):
+        for new in real(*args, **kwargs):
+            time.sleep(0.05)
+            yield new
+
+    gen.stream = slow_stream
+    yield s
+    s.close()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server, oracle):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words(30, 20)}], "max_tokens": 100,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", slow_server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]  # a few chunks, then the client goes away
+    assert any(line.startswith("data: ") for line in got)
+    began = time.time()
+    r = slow_server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5 t6"}],
+                                                     max_tokens=2, temperature=0)
+    # The abandoned request had ~95 rounds of 50 ms left; its slot was freed within a round or two.
+    assert time.time() - began < 2.0 and r.choices[0].message.content
+    assert slow_server.metrics()['specedge_requests_total{status="cancelled"}'] == 1
+
+
+def test_a_full_queue_answers_429_and_the_rest_complete(slow_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words(31, 10)}], "max_tokens": 20,
+            "temperature": 0}
+
+    def post(_):
+        return httpx.post(slow_server.url + "/v1/chat/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(5) as pool:
+        statuses = sorted(r.status_code for r in pool.map(post, range(5)))
+    assert statuses.count(200) >= 2 and set(statuses) <= {200, 429} and 429 in statuses
+    assert slow_server.healthy()
+    assert slow_server.metrics()['specedge_requests_total{status="rejected"}'] == statuses.count(429)
+
+
+def test_an_internal_error_fails_only_its_request(server):
+    gen = server.engine.gen
+    real = gen.stream
+
+    def broken(*args, **kwargs):
+        gen.stream = real
+        raise RuntimeError("simulated fault")
+        yield
+
+    gen.stream = broken
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 3})
+    assert r.status_code == 500 and "simulated fault" in r.json()["error"]["message"]
+    assert server.healthy()
+    ok = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t7"}],
+                                                  max_tokens=3, temperature=0)
+    assert ok.choices[0].message.content
+
+
+def test_serve_refuses_a_bad_bundle_before_listening(tmp_path):
+    from specedge.cli import main
+
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.slow  # starts a local Ray cluster (~20 s)
+def test_ray_serve_with_two_replicas_on_loopback(tiny_bundle, oracle):
+    from ray import serve
+
+    from specedge.serve import ray_serve
+
+    port = free_port()
+    config = ServerConfig(tiny_bundle, threads=1, engine=EngineConfig(proposer="ngram", gamma=4, max_tokens=16),
+                          model_id=MODEL)
+    ray_serve.start(config, "127.0.0.1", port, replicas=2)
+    try:
+        status = serve.status().applications["specedge"].deployments["specedge"]
+        assert status.replica_states.get("RUNNING") == 2
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        prompts = [[{"role": "user", "content": words(40 + i, 15 + i)}] for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda m: client.chat.completions.create(model=MODEL, messages=m, max_tokens=16,
+                                                                         temperature=0).choices[0].message.content,
+                                prompts))
+        assert got == [expected(oracle, chat_ids(oracle, m), 16) for m in prompts]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "other", "messages": []})
+        assert r.status_code == 404
+        assert json.loads(httpx.get(f"http://127.0.0.1:{port}/health").text) == {"status": "ok"}
+    finally:
+        ray_serve.stop()
+
+
+def test_loadtest_against_the_server_loses_nothing(server, tmp_path):
+    from specedge.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(item) for item in (
+        {"messages": [{"role": "user", "content": words(50, 30)}]}, {"prompt": words(51, 20)})) + "\n")
+    out = tmp_path / "report.json"
+    assert main(["loadtest", server.url, "--concurrency", "4", "--requests", "10", "--prompts", str(prompts),
+                 "--max-tokens", "12", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["succeeded"] == 10 and report["failed"] == 0 and report["lost"] == 0
+    assert not report["tokens_estimated"] and report["completion_tokens"] > 0
+    assert report["ttft_ms"]["p50"] <= report["latency_ms"]["p50"]
