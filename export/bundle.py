@@ -41,6 +41,7 @@ class ExportOptions:
     quant: str = "none"  # weight-only quantization: none | int8 | int4
     quant_block: int | None = None  # input rows per scale (default 32)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
+    flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
     extra: dict = field(default_factory=dict)
 
     def quant_spec(self) -> QuantSpec | None:
@@ -50,6 +51,12 @@ class ExportOptions:
             raise ExportError(str(e)) from None
 
     def validate(self) -> None:
+        if self.flavour not in FLAVOURS:
+            raise ExportError(f"unknown flavour {self.flavour!r}; choose one of {', '.join(FLAVOURS)}")
+        if self.flavour == "qnn-fp16" and (self.dtype != "float16" or self.quant != "none"):
+            raise ExportError("--for qnn writes float16 graphs without --quant (the HTP computes float graphs in "
+                              f"fp16 and QNN does not run weight-only int blocks); got --dtype {self.dtype} "
+                              f"--quant {self.quant}")
         if self.dtype not in C.DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(C.DTYPES)}, not {self.dtype}")
         if self.quant_spec() is not None and self.dtype != "float32":
@@ -93,6 +100,24 @@ class ExportOptions:
         return [1, 2]  # T=2: after a fully accepted round the draft catches up on two tokens
 
 
+# Graph flavours. "qnn-fp16": the portable graphs in float16 for Qualcomm's HTP (onnxruntime's QNN EP): the HTP has
+# no float32 datapath (a float32 graph is computed in fp16 there anyway), and float16 halves the weights file and
+# the host-side cache. Its RMSNorms divide by the row's max |x| before squaring: SmolLM2's residual stream reaches
+# |x| ~ 2.5e4, whose square overflows fp16 (the plain graph then gives 0/16 top-1 agreement on the HTP emulator).
+# Every node of these graphs is placed on the HTP (tests/test_qnn.py).
+FLAVOURS = ("portable", "qnn-fp16")
+
+
+def flavour_record(opts: ExportOptions) -> dict | None:
+    """What the manifest says about a runtime-specific flavour (export.qnn); None for the portable one."""
+    if opts.flavour != "qnn-fp16":
+        return None
+    # soc_model None: the graphs are not tied to one SoC; the runtime compiles them for the HTP it finds (the
+    # x86 emulator needs one named: SPECEDGE_QNN_SOC_MODEL, default 60) and caches the binary per SoC.
+    return {"precision": "fp16", "activations": "float16", "weights": "float16", "calibration": None,
+            "soc_model": None, "backend": "htp", "rms_norm": "scaled by the row's max |x| (fp16 range)"}
+
+
 def default_buckets(context: int, prefill_chunk: int) -> list[int]:
     """Four past lengths, evenly spaced up to the context (and no finer than 256 slots): attention over a
     padded past costs about as much as over a full one (SmolLM2 T=1 step, 2 cores: 24 ms at 256 slots,
@@ -119,11 +144,11 @@ def check_vocab(target: Source, draft: Source) -> dict:
 
 def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
                  context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool,
-                 quant: QuantSpec | None) -> GraphEntry:
+                 quant: QuantSpec | None, scaled_norm: bool = False) -> GraphEntry:
     opset, ir = (QUANT_OPSET, QUANT_IR_VERSION) if quant else (C.OPSET, 8)
     g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights, opset=opset, ir_version=ir)
     llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
-                           quant=quant)
+                           quant=quant, scaled_norm=scaled_norm)
     entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context), context=context,
                        step_mask=step_mask and role == C.STEP)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
@@ -156,7 +181,8 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     graphs = []
     for context in opts.buckets():
         for role, tokens, mask in plan:
-            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant))
+            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant,
+                                       scaled_norm=opts.flavour == "qnn-fp16"))
             progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
@@ -231,7 +257,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                     "dtype": opts.dtype, "quant": opts.quant, "quant_block": quant.block if quant else None,
                     "quant_head": f"int{quant.head_bits}" if quant else None,
                     "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
-                    "step_mask": opts.step_mask, "target": os.path.basename(os.path.normpath(target_path)),
+                    "step_mask": opts.step_mask, "flavour": opts.flavour, "qnn": flavour_record(opts),
+                    "target": os.path.basename(os.path.normpath(target_path)),
                     "draft": os.path.basename(os.path.normpath(draft_path)) if draft_path else None,
                     "seconds": None},
         )

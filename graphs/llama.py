@@ -257,7 +257,9 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 
 
 # -- the step graph -----------------------------------------------------------------------------------
-def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
+def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scaled: bool = False) -> str:
+    if scaled:
+        return _scaled_rms_norm(g, x, weight, eps, dtype)
     # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm.
     square = g.op("Pow", x, g.const(2.0, dtype))
     if g.opset >= 18:  # axes became an input at opset 18
@@ -267,11 +269,31 @@ def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> s
     return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, g.const(eps, dtype)))), weight)
 
 
+def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
+    """RMSNorm that never squares a large number: x / m / sqrt(mean((x/m)^2) + eps/m^2) with m = max|x| per row,
+    the same value in exact arithmetic. For fp16 compute (Qualcomm's HTP): real residual streams reach |x| ~ 2.5e4
+    (SmolLM2), whose square overflows fp16 (max 65504) and turns the plain norm's output into zeros."""
+    if g.opset >= 18:
+        peak = g.op("ReduceMax", g.op("Abs", x), g.ints(-1), keepdims=1)
+    else:
+        peak = g.op("ReduceMax", g.op("Abs", x), axes=[-1], keepdims=1)
+    peak = g.op("Add", peak, g.const(1e-3, dtype))  # a row of zeros stays zeros, not NaN
+    y = g.op("Div", x, peak)
+    if g.opset >= 18:
+        var = g.op("ReduceMean", g.op("Mul", y, y), g.ints(-1), keepdims=1)  # in [1/D, 1]
+    else:
+        var = g.op("ReduceMean", g.op("Mul", y, y), axes=[-1], keepdims=1)
+    tiny = g.op("Div", g.const(eps, dtype), g.op("Mul", peak, peak))  # eps/m^2; inf -> 0 where m^2 overflows
+    return g.op("Mul", g.op("Div", y, g.op("Sqrt", g.op("Add", var, tiny))), weight)
+
+
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
-                     step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None) -> None:
+                     step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None,
+                     scaled_norm: bool = False) -> None:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
     role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
-    with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row."""
+    with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row.
+    `scaled_norm` (the qnn-fp16 flavour) computes every RMSNorm without overflowing fp16 (_scaled_rms_norm)."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
@@ -365,14 +387,14 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     x = embedding(input_ids)
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
-        h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt)
+        h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt, scaled_norm)
         qkv = linear(h, p + "qkv")
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
         qkv = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D))
         qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=2, outputs=2)  # q and k get RoPE together
         if cfg.qk_norm:
-            qk = _rms_norm(g, qk, g.weight(p + "qk_norm"), cfg.rms_norm_eps, dt)
+            qk = _rms_norm(g, qk, g.weight(p + "qk_norm"), cfg.rms_norm_eps, dt, scaled_norm)
         qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("MatMul", qk, swap), sin))
         q, k = g.op("Split", qk, g.ints(H, Hkv), axis=2, outputs=2)
         new_k = per_head(k, C.new_key(i))  # [B, Hkv, T, D]
@@ -400,13 +422,13 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
         x = g.op("Add", x, linear(from_rows(attn), p + "o"))
 
-        h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt)
+        h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm)
         gate, up = g.op("Split", linear(h, p + "gate_up"), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
         x = g.op("Add", x, linear(act, p + "down"))
 
     if role == C.STEP:
-        h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt)
+        h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)
         if quant is not None:
             logits = linear(h, "lm_head")  # [B*T, V]
         else:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from ..errors import BackendError, BundleError
+from ..errors import BackendError, BundleError, PlacementError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
 from .kv_cache import KVCache, SharedKVCache
@@ -69,6 +69,8 @@ class ModelRunner:
             try:
                 session = self._backend.load(path, os.path.join(self._dir, self.entry.weights),
                                              config=self.entry.session_config)
+            except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
+                raise
             except BackendError as e:
                 raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
             _check_io(graph, self.dims, session)

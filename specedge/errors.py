@@ -21,6 +21,10 @@ class BackendError(SpecedgeError):
     """An inference backend that is not installed or cannot run a graph."""
 
 
+class PlacementError(BackendError):
+    """A valid graph that the chosen backend cannot run as asked (operators its device does not take)."""
+
+
 class GenerationError(SpecedgeError, ValueError):
     """Bad generation input: prompt too long, bad sampling parameters, unsupported proposer or gamma."""
 

@@ -15,6 +15,7 @@ Backends:
   ort       onnxruntime's Python API on the CPU; each prepacking session holds its own packed weights.
   cuda      onnxruntime-gpu with the CUDA execution provider (pip install 'specedge[cuda]').
   tensorrt  onnxruntime-gpu with the TensorRT execution provider (needs TensorRT libraries).
+  qnn       onnxruntime-qnn: the QNN execution provider on a Qualcomm HTP, or its x86 emulator (qnn.py).
 The GPU backends cannot be tested on the CPU-only development machine; they are thin provider choices over
 the same `ort` code path.
 """
@@ -29,7 +30,7 @@ from ...errors import BackendError, BundleError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import PackedInt4, int4_nbytes
 
-BACKENDS = ("cpu", "ort", "cuda", "tensorrt")
+BACKENDS = ("cpu", "ort", "cuda", "tensorrt", "qnn")
 
 
 def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict[str, np.ndarray | PackedInt4]]:
@@ -92,6 +93,9 @@ def create_backend(name: str = "cpu", threads: int | None = None):
 
     if importlib.util.find_spec("onnxruntime") is None:  # found, not imported: the C API path needs no Python API
         raise BackendError("onnxruntime is not installed: pip install onnxruntime") from None
+    if name == "qnn":
+        from .qnn import QnnBackend
+        return QnnBackend(threads)
     if name == "cpu":
         from . import ort_capi
         if ort_capi.available():

@@ -69,15 +69,20 @@ class OrtBackend:
 
         self._ort = ort
         self.name = name
-        self.providers = _PROVIDERS[name]
-        missing = set(self.providers) - set(ort.get_available_providers())
-        if missing:
-            extra = "cuda" if name == "cuda" else "tensorrt"
-            raise BackendError(f"backend {name!r} needs {', '.join(sorted(missing))}, which this onnxruntime "
-                               f"lacks: pip install 'specedge[{extra}]' on a machine with an NVIDIA GPU")
         self.threads = threads
         self._weights: dict[str, dict[str, object]] = {}  # weights file -> {name: OrtValue}
         self._maps = []
+        self.providers = self._providers()
+
+    def _providers(self) -> list[str]:
+        """The execution providers sessions get, checked against this onnxruntime (a subclass may register its own)."""
+        providers = _PROVIDERS[self.name]
+        missing = set(providers) - set(self._ort.get_available_providers())
+        if missing:
+            extra = "cuda" if self.name == "cuda" else "tensorrt"
+            raise BackendError(f"backend {self.name!r} needs {', '.join(sorted(missing))}, which this onnxruntime "
+                               f"lacks: pip install 'specedge[{extra}]' on a machine with an NVIDIA GPU")
+        return providers
 
     def add_weights_file(self, path: str, index: dict[str, WeightRef]) -> None:
         if path in self._weights:
@@ -91,6 +96,15 @@ class OrtBackend:
 
     def load(self, graph_path: str, weights_path: str, prepack: bool = True,
              config: dict[str, str] | None = None) -> OrtSession:
+        so = self.session_options(weights_path, prepack, config)
+        try:
+            session = self._ort.InferenceSession(graph_path, so, providers=self.providers)
+        except Exception as e:
+            raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
+        return OrtSession(session, "cpu")
+
+    def session_options(self, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
+        """Threads, the graph's session config and the shared weights of `weights_path` (add_weights_file)."""
         so = self._ort.SessionOptions()
         if self.threads:
             so.intra_op_num_threads = self.threads
@@ -102,11 +116,7 @@ class OrtBackend:
             so.add_session_config_entry("session.disable_prepacking", "1")
         for name, value in self._weights[weights_path].items():  # names the graph does not use are ignored
             so.add_initializer(name, value)
-        try:
-            session = self._ort.InferenceSession(graph_path, so, providers=self.providers)
-        except Exception as e:
-            raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
-        return OrtSession(session, "cpu")
+        return so
 
     def release_raw_weights(self) -> None:
         """Call once all sessions exist: their packed weights are what they read now."""
