@@ -186,6 +186,8 @@ def load_snapshot(path: str, gen: Generator) -> CacheSnapshot:
                              for i in range(int(header[f"{role}_arrays"]))] for role in ("target", "draft")}
             snap = CacheSnapshot([int(t) for t in header["tokens"]], arrays["target"],
                                  [int(t) for t in header["draft_tokens"]], arrays["draft"])
+    except SessionError:
+        raise
     except FileNotFoundError:
         raise SessionError(f"session file not found: {path}") from None
     except (zipfile.BadZipFile, KeyError, ValueError, TypeError, EOFError, OSError) as e:

@@ -110,5 +110,7 @@ class Stats:
     def summary(self) -> str:
         spec = (f", {self.tokens_per_round:.2f} tokens/round, acceptance {self.acceptance_rate:.0%}"
                 if self.proposer != "none" else "")
+        reused = f", {self.reused_tokens}/{self.prompt_tokens} prompt tokens reused" if self.reused_tokens else ""
         return (f"{self.new_tokens} tokens in {self.total_ms / 1e3:.2f} s: {self.tokens_per_s:.1f} tokens/s, "
-                f"TTFT {self.ttft_ms:.0f} ms, ITL {self.itl_ms:.1f} ms{spec} [{self.proposer}, stop: {self.stop_reason}]")
+                f"TTFT {self.ttft_ms:.0f} ms{reused}, ITL {self.itl_ms:.1f} ms{spec} [{self.proposer}, stop: "
+                f"{self.stop_reason}]")

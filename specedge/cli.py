@@ -1,4 +1,4 @@
-"""The `specedge` command: export, check, generate, bench, demo.
+"""The `specedge` command: export, check, generate, bench, demo, serve, loadtest.
 
 Each subcommand imports what it needs lazily, so `specedge generate` runs with only numpy + onnxruntime.
 Errors a user can cause print one line and exit 2; a traceback means a bug in specedge.
@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .errors import exit_status
+from .tools import loadtest
 
 
 def _ints(text: str) -> list[int]:
@@ -44,6 +45,9 @@ def _add_export(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="weights, cache and activations (logits are always float32)")
+    p.add_argument("--for", dest="for_runtime", choices=["any", "qnn"], default="any",
+                   help="qnn: graphs for Qualcomm's HTP through onnxruntime's QNN EP (the qnn-fp16 flavour: float16 "
+                   "weights, cache and activations; implies --dtype float16). Default any: the portable graphs")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
@@ -63,10 +67,12 @@ def _add_export(sub) -> None:
 def _run_export(a) -> int:
     from .export.bundle import ExportOptions, export_bundle
 
+    qnn = a.for_runtime == "qnn"
     opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk,
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
-                         dtype=a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
-                         step_mask=a.step_mask, quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head)
+                         dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
+                         step_mask=a.step_mask, quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
+                         flavour="qnn-fp16" if qnn else "portable")
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())
     print(f"wrote {a.out}: {graphs} graphs, models: {', '.join(m.models)} ({m.export['seconds']} s)")
@@ -90,12 +96,15 @@ def _add_check(sub) -> None:
     p.add_argument("bundle")
     p.add_argument("--no-load", action="store_true",
                    help="skip loading each graph in onnxruntime (and the exact-rows comparison)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "qnn"],
+                   help="where each graph is loaded and run once: cpu (default), or qnn to also report per graph "
+                   "whether every node is placed on QNN (Qualcomm HTP or its x86 emulator)")
 
 
 def _run_check(a) -> int:
     from .tools.check import check_bundle
 
-    report = check_bundle(a.bundle, load=not a.no_load)
+    report = check_bundle(a.bundle, load=not a.no_load, backend=a.backend)
     print(report.render())
     return 0 if report.ok else 1
 
@@ -110,7 +119,8 @@ def _add_sampling(p) -> None:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = all)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda or tensorrt")
+    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn (Qualcomm HTP, "
+                   "or its x86 emulator: pip install onnxruntime-qnn)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
 
 
@@ -128,6 +138,10 @@ def _add_generate(sub) -> None:
                      "{\"prompt_ids\": [...]}), at most the bundle's --batch B; prints one JSON line per prompt "
                      "(proposers none and ngram)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the bundle's chat template as a user turn")
+    p.add_argument("--session", metavar="FILE",
+                   help="keep the KV cache in FILE between runs: the prompt's longest prefix that FILE's conversation "
+                   "holds is not prefilled again (pass the whole conversation as the prompt each time); FILE is "
+                   "created or updated after the run")
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -193,6 +207,14 @@ def _run_generate_batch(a) -> int:
     return 0
 
 
+def _open_session(gen, path: str):
+    import os
+
+    from .runtime.session import Session
+
+    return Session.load(gen, path) if os.path.exists(path) else Session(gen)
+
+
 def _run_generate(a) -> int:
     import json
 
@@ -205,13 +227,14 @@ def _run_generate(a) -> int:
 
     gen = Generator.load(a.bundle, backend=a.backend, threads=a.threads)
     ids = _prompt_ids(gen, a)
+    session = _open_session(gen, a.session) if a.session else None
     proposer = a.proposer or ("draft" if gen.draft else "ngram")
     stats = Stats()
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, temperature=a.temperature,
                   top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats)
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
-    for new in gen.stream(ids, **kwargs):
+    for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):
         tokens += new
         if decoder:
             sys.stdout.write(decoder.push(new))
@@ -219,6 +242,8 @@ def _run_generate(a) -> int:
         elif not a.json:
             sys.stdout.write(" ".join(map(str, new)) + " ")
             sys.stdout.flush()
+    if session:
+        session.save(a.session)
     if a.json:
         text = gen.tokenizer.decode(tokens) if gen.tokenizer else None
         print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "stats": stats.to_json()}))
@@ -252,7 +277,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
     p.add_argument("--json", metavar="OUT", help="write every run and the summary as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a plot: tokens/s by configuration, acceptance by position")
-    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda or tensorrt")
+    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn")
 
 
 def _run_bench(a) -> int:
@@ -299,6 +324,51 @@ def _run_demo(a) -> int:
     return run_demo(a.max_new_tokens, a.proposer or DEMO_PROPOSER, a.gamma or DEMO_GAMMA, a.threads, a.prompt)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a bundle (chat, completions, streaming)",
+                       description="Serve /v1/chat/completions, /v1/completions (streaming with server-sent events or "
+                       "not), /v1/models, /health and /metrics. Requests run one at a time on one generator (no "
+                       "shared state can be corrupted); up to --max-queue wait, more get 429. A conversation's next "
+                       "turn reuses its cached prefix. Request extensions: proposer, gamma, top_k.")
+    p.add_argument("bundle")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-id", default=None, help="the model name clients send (default: the bundle's directory name)")
+    p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
+                   help="default proposer for requests that name none (default: draft if the bundle has one, else ngram)")
+    p.add_argument("--gamma", type=int, default=None, help="default drafts per round (default: 4 with a draft, 8 with ngram)")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none (default 256)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429 (default 16)")
+    p.add_argument("--session-mb", type=int, default=256,
+                   help="memory for cached conversations (prefix reuse across requests, default 256 MB)")
+    p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
+    p.add_argument("--ray", action="store_true", help="serve through Ray Serve (pip install 'specedge[ray]')")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas, each with its own generator (default 1)")
+
+
+def _run_serve(a) -> int:
+    from .errors import GenerationError
+    from .graphs.manifest import load_manifest
+    from .serve.app import ServerConfig, serve_forever
+    from .serve.engine import EngineConfig
+
+    manifest = load_manifest(a.bundle)
+    proposer = a.proposer or ("draft" if manifest.draft else "ngram")
+    gamma = a.gamma or (4 if proposer == "draft" else 8)
+    for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--max-queue", a.max_queue, 1),
+                             ("--replicas", a.replicas, 1), ("--session-mb", a.session_mb, 0)):
+        if value < low:
+            raise GenerationError(f"{name} must be at least {low}")
+    config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,
+                                                                       a.session_mb << 20), a.model_id)
+    if a.ray:
+        from .serve.ray_serve import serve_with_ray
+
+        return serve_with_ray(config, a.host, a.port, a.replicas)
+    return serve_forever(config, a.host, a.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specedge", description="Exact speculative decoding on static-shape "
                                      "ONNX graphs with an explicit KV cache.")
@@ -308,11 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_demo(sub)
+    _add_serve(sub)
+    loadtest.add_parser(sub)
     return parser
 
 
 COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generate, "bench": _run_bench,
-            "demo": _run_demo}
+            "demo": _run_demo, "serve": _run_serve, "loadtest": loadtest.run}
 
 
 def main(argv: list[str] | None = None) -> int:

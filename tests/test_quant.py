@@ -16,7 +16,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from models import ContractDriver, make_hf_model
+from models import ContractDriver
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import quant as Q

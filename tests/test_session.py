@@ -247,3 +247,28 @@ def test_snapshot_store_resumes_the_conversation_with_the_longest_prefix(gens):
         gen.generate(conv, 4, proposer="none", stop_ids=[], reuse=True)
     assert len(small) == 1 and small.nbytes <= small.max_bytes  # the oldest went first
     assert small.prepare(convs[1] + [1]) == len(convs[1])  # the newest stored one is still there
+
+
+def test_cli_session_file_carries_the_cache_between_runs(tiny_bundle, gens, tmp_path, capsys):
+    import json
+
+    from specedge.cli import main
+
+    path = str(tmp_path / "cli.session")
+    turn1 = prompt_of(30, seed=30)
+
+    def run(prompt):
+        assert main(["generate", tiny_bundle, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
+                     str(NEW), "--proposer", "ngram", "--session", path, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    first = run(turn1)
+    assert first["stats"]["reused_tokens"] == 0 and os.path.isfile(path)
+    turn2 = turn1 + first["tokens"] + [5, 6, 7]
+    second = run(turn2)
+    assert second["stats"]["reused_tokens"] == len(turn1) + len(first["tokens"]) - 1
+    assert second["tokens"] == fresh(gens["layer"], turn2, proposer="ngram").tokens
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    assert main(["generate", tiny_bundle, "--prompt-ids", "5,6", "--session", path]) == 2
+    assert "not a readable session file" in capsys.readouterr().err
