@@ -38,10 +38,13 @@ class ExportOptions:
     draft_layers: int | None = None  # cut a draft from the target's first N layers
     prefill_logits: bool = False  # give prefill graphs logits too (parity checks; slows prefill)
     step_mask: bool = False  # add the optional step_mask input to the step graphs (tree verification)
+    tree_sizes: tuple[int, ...] = ()  # T of extra step graphs with step_mask: token trees of T-1 nodes
     quant: str = "none"  # weight-only quantization: none | int8 | int4
     quant_block: int | None = None  # input rows per scale (default 32)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
+    calibration_prompts: str | None = None  # qnn-qdq16: JSONL prompts to calibrate on (default: the prompt suite)
+    calibration_count: int | None = None  # qnn-qdq16: how many of them (default export.qdq.DEFAULT_COUNT)
     extra: dict = field(default_factory=dict)
 
     def quant_spec(self) -> QuantSpec | None:
@@ -57,6 +60,15 @@ class ExportOptions:
             raise ExportError("--for qnn writes float16 graphs without --quant (the HTP computes float graphs in "
                               f"fp16 and QNN does not run weight-only int blocks); got --dtype {self.dtype} "
                               f"--quant {self.quant}")
+        if self.flavour == "qnn-qdq16":
+            if self.dtype != "float32" or self.quant != "none":
+                raise ExportError("--for qnn-qdq16 quantizes float32 graphs itself (uint16 activations, int8 weights); "
+                                  f"it takes neither --dtype float16 nor --quant: got --dtype {self.dtype} --quant {self.quant}")
+            if self.step_mask or self.tree_sizes:
+                raise ExportError("--for qnn-qdq16 does not export tree graphs (--tree, --step-mask) yet: calibration "
+                                  "runs chains only")
+            if self.calibration_count is not None and self.calibration_count < 1:
+                raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
         if self.dtype not in C.DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(C.DTYPES)}, not {self.dtype}")
         if self.quant_spec() is not None and self.dtype != "float32":
@@ -72,6 +84,9 @@ class ExportOptions:
             raise ExportError(f"every --gamma must be at least 1, got {','.join(map(str, self.gammas)) or 'none'}")
         if max(self.gammas) + 1 >= self.context:
             raise ExportError(f"--gamma {max(self.gammas)} needs a context larger than {max(self.gammas) + 1}")
+        if any(t < 2 or t + 1 >= self.context for t in self.tree_sizes):
+            raise ExportError(f"every --tree size must be at least 2 (the pending token and one node) and smaller "
+                              f"than the context, got {','.join(map(str, self.tree_sizes))}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ExportError(f"--draft-layers must be at least 1, not {self.draft_layers}")
         for b in self.context_buckets or ():
@@ -105,11 +120,22 @@ class ExportOptions:
 # the host-side cache. Its RMSNorms divide by the row's max |x| before squaring: SmolLM2's residual stream reaches
 # |x| ~ 2.5e4, whose square overflows fp16 (the plain graph then gives 0/16 top-1 agreement on the HTP emulator).
 # Every node of these graphs is placed on the HTP (tests/test_qnn.py).
-FLAVOURS = ("portable", "qnn-fp16")
+# "qnn-qdq16": the float32 graphs (opset 21, a mask of export.qdq.MASK_VALUE) calibrated on real prompts and
+# quantized to QDQ, uint16 activations and int8 per-channel weights, float32 I/O (export/qdq.py,
+# tests/test_qnn_qdq.py).
+FLAVOURS = ("portable", "qnn-fp16", "qnn-qdq16")
 
 
-def flavour_record(opts: ExportOptions) -> dict | None:
-    """What the manifest says about a runtime-specific flavour (export.qnn); None for the portable one."""
+def flavour_record(opts: ExportOptions, calibration: dict | None = None) -> dict | None:
+    """What the manifest says about a runtime-specific flavour (export.qnn); None for the portable one.
+    `calibration`: what export.qdq.quantize_bundle reports (qnn-qdq16)."""
+    if opts.flavour == "qnn-qdq16":
+        from .qdq import ACTIVATIONS, MASK_VALUE, WEIGHTS
+
+        return {"precision": "qdq16", "activations": ACTIVATIONS, "weights": f"{WEIGHTS} symmetric, per output "
+                "channel (MatMul); per tensor elsewhere", "io": "float32 (QDQ inside the graph)",
+                "calibration": calibration, "soc_model": None, "backend": "htp", "mask_value": MASK_VALUE,
+                "tool": "onnxruntime.quantization (get_qnn_qdq_config, MinMax)"}
     if opts.flavour != "qnn-fp16":
         return None
     # soc_model None: the graphs are not tied to one SoC; the runtime compiles them for the HTP it finds (the
@@ -144,13 +170,18 @@ def check_vocab(target: Source, draft: Source) -> dict:
 
 def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
                  context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool,
-                 quant: QuantSpec | None, scaled_norm: bool = False) -> GraphEntry:
-    opset, ir = (QUANT_OPSET, QUANT_IR_VERSION) if quant else (C.OPSET, 8)
+                 quant: QuantSpec | None, scaled_norm: bool = False, qdq: bool = False) -> GraphEntry:
+    # qdq: the float graph that export.qdq quantizes (opset 21: standard-domain uint16 QuantizeLinear)
+    opset, ir = (QUANT_OPSET, QUANT_IR_VERSION) if quant or qdq else (C.OPSET, 8)
     g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights, opset=opset, ir_version=ir)
+    mask_value = None
+    if qdq:
+        from .qdq import MASK_VALUE as mask_value
     llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
-                           quant=quant, scaled_norm=scaled_norm)
-    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context), context=context,
-                       step_mask=step_mask and role == C.STEP)
+                           quant=quant, scaled_norm=scaled_norm, mask_value=mask_value, same_ops=qdq)
+    mask = step_mask and role == C.STEP
+    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context, mask), context=context,
+                       step_mask=mask)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
     return entry
 
@@ -177,12 +208,16 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
     prefills = opts.prefill_sizes()
     plan = [(prefill_role, t, False) for t in prefills]
-    plan += [(C.STEP, t, opts.step_mask) for t in steps if not (prefill_role == C.STEP and t in prefills)]
+    # The target verifies trees (a draft never does). A tree size that is also a chain size gets one graph,
+    # with the mask (chains run in it with a causal mask): (role, T, context) names one graph per model.
+    trees = set(opts.tree_sizes) if name == "target" else set()
+    plan += [(C.STEP, t, opts.step_mask or t in trees) for t in steps if not (prefill_role == C.STEP and t in prefills)]
+    plan += [(C.STEP, t, True) for t in sorted(trees - set(steps))]
     graphs = []
     for context in opts.buckets():
         for role, tokens, mask in plan:
             graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant,
-                                       scaled_norm=opts.flavour == "qnn-fp16"))
+                                       scaled_norm=opts.flavour == "qnn-fp16", qdq=opts.flavour == "qnn-qdq16"))
             progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
@@ -226,9 +261,11 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     quant = opts.quant_spec()
     n_weights = len(llama.weight_names(target.config, quant)) + (len(llama.weight_names(draft.config, quant)) if draft else 0)
     n_prefill = len(opts.prefill_sizes())
-    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps())
+    trees = set(opts.tree_sizes) - set(opts.target_steps())
+    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps()) + len(trees)
                                       + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0))
-    bar = Progress(n_weights + n_graphs, "export", "step", progress)
+    qdq = opts.flavour == "qnn-qdq16"
+    bar = Progress(n_weights + n_graphs * (2 if qdq else 1), "export", "step", progress)
     started = time.time()
     try:
         models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar)}
@@ -251,17 +288,24 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             tokenizer=TokenizerEntry(files=tok_files, bos_id=tokenizer.bos_id, eos_ids=tokenizer.eos_ids,
                                      chat_template=tokenizer.chat_template),
             vocab=vocab,
-            opset=QUANT_OPSET if quant else C.OPSET,
+            opset=QUANT_OPSET if quant or qdq else C.OPSET,
             export={"specedge": __version__, "context": opts.context, "gammas": list(opts.gammas),
                     "prefill_chunk": opts.prefill_chunk, "context_buckets": opts.buckets(), "batch": opts.batch,
                     "dtype": opts.dtype, "quant": opts.quant, "quant_block": quant.block if quant else None,
                     "quant_head": f"int{quant.head_bits}" if quant else None,
                     "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
-                    "step_mask": opts.step_mask, "flavour": opts.flavour, "qnn": flavour_record(opts),
+                    "step_mask": opts.step_mask, "tree_sizes": sorted(set(opts.tree_sizes)), "flavour": opts.flavour, "qnn": flavour_record(opts),
                     "target": os.path.basename(os.path.normpath(target_path)),
                     "draft": os.path.basename(os.path.normpath(draft_path)) if draft_path else None,
                     "seconds": None},
         )
+        if qdq:  # calibrate on the float32 graphs just written, then replace them with their QDQ graphs
+            from .qdq import Calibration, quantize_bundle
+
+            manifest.save(tmp)
+            calibration = Calibration(**{k: v for k, v in (("prompts", opts.calibration_prompts),
+                                                           ("count", opts.calibration_count)) if v is not None})
+            manifest.export["qnn"] = flavour_record(opts, quantize_bundle(tmp, manifest, calibration, bar))
         manifest.export["seconds"] = round(time.time() - started, 1)
         manifest.save(tmp)
         bar.close()

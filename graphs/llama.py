@@ -289,16 +289,22 @@ def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: st
 
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
                      step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None,
-                     scaled_norm: bool = False) -> None:
+                     scaled_norm: bool = False, mask_value: float | None = None, same_ops: bool = False) -> None:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
     role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
     with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row.
-    `scaled_norm` (the qnn-fp16 flavour) computes every RMSNorm without overflowing fp16 (_scaled_rms_norm)."""
+    `scaled_norm` (the qnn-fp16 flavour) computes every RMSNorm without overflowing fp16 (_scaled_rms_norm).
+    `mask_value`: the additive mask's value for hidden slots (default: the dtype's most negative number); a
+    quantized flavour needs one near the scores' own range, as the masked scores share their scale.
+    `same_ops`: build a one-token step with the T > 1 ops too (scatter at slot cache_len), so every step graph of
+    a model has the same nodes under the same names; the QDQ flavour gives each tensor one scale across them, and
+    a verify row then computes exactly like a decode step (what exact greedy speculation needs)."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
     dt = dims.dtype
-    neg = float(np.finfo(np.dtype(dt)).min)  # additive mask value: finite, so garbage + neg stays hugely negative
+    multi = T > 1 or same_ops  # the T > 1 ops
+    neg = float(np.finfo(np.dtype(dt)).min) if mask_value is None else float(mask_value)  # finite: garbage + neg stays hugely negative
 
     specs = {s.name: s for s in C.step_inputs(dims, T, step_mask, S)}
     input_ids, position_ids, cache_len = (g.input(specs[n]) for n in (C.INPUT_IDS, C.POSITION_IDS, C.CACHE_LEN))
@@ -309,12 +315,12 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     # order) and sits at row t*rep + r of a [B, H_kv, T*rep, D] block, so each kv head is one plain MatMul.
     # For T = 1 every layout change below is a Reshape, never a Transpose.
     def to_rows(q):  # [B, T, H, D] -> [B, Hkv, T*rep, D]
-        if T > 1:
+        if multi:
             q = g.op("Transpose", g.op("Reshape", q, g.ints(B, T, Hkv, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", q, g.ints(B, Hkv, T * rep, D))
 
     def from_rows(x):  # [B, Hkv, T*rep, D] -> [B*T, H*D]
-        if T > 1:
+        if multi:
             x = g.op("Transpose", g.op("Reshape", x, g.ints(B, Hkv, T, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", x, g.ints(B * T, H * D))
 
@@ -335,7 +341,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         return g.op("DequantizeLinear", rows, scales, axis=1, block_size=quant.block)
 
     def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
-        if T > 1:
+        if multi:
             return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
         return g.op("Reshape", x, g.ints(B, Hkv, T, D), name=name)
 
@@ -350,7 +356,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     zero, minus = g.const(0.0, dt), g.const(neg, dt)
     slots = g.const(np.arange(S, dtype=np.int64).reshape(1, 1, S))
     length = g.op("Reshape", cache_len, g.ints(B, 1, 1))
-    if T == 1 or step_mask:
+    if not multi or step_mask:
         slot_ok = g.op("Less", slots, length)  # [B, 1, S]: the past only
     else:  # row i also sees the step's tokens 0..i-1 at slots cache_len .. cache_len+i-1
         slot_ok = g.op("Less", slots, g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, T, 1))))
@@ -364,7 +370,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     if rep > 1:
         mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
     mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
-    if T > 1:  # where the step's scores, values and own entries go (shared by every layer)
+    if multi:  # where the step's scores, values and own entries go (shared by every layer)
         length4 = g.op("Reshape", cache_len, g.ints(B, 1, 1, 1))
         step_cols = g.op("Expand", g.op("Add", length4, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, 1, T))),
                          g.ints(B, Hkv, T * rep, T))  # [B, Hkv, T*rep, T]: slot of step token j
@@ -405,7 +411,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         q = to_rows(q)
         scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
         scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, T]
-        if T == 1:  # the step's only token is each row's own: [past | self] is already the slot order
+        if not multi:  # the step's only token is each row's own: [past | self] is already the slot order
             scores_slots, scores_own, values = scores_past, scores_step, past_v
         else:
             scores_slots = g.op("ScatterElements", scores_past, step_cols, scores_step, axis=3)
@@ -413,7 +419,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             values = g.op("ScatterElements", past_v, step_rows, new_v, axis=2)  # [B, Hkv, S, D]
         scores = g.op("Add", g.op("Concat", scores_slots, scores_own, axis=-1), mask)  # [B, Hkv, T*rep, S+1]
         probs_slots, probs_own = g.op("Split", g.op("Softmax", scores, axis=-1), g.ints(S, 1), axis=-1, outputs=2)
-        if T == 1:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below
+        if not multi:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below
             own = g.op("MatMul", probs_own, new_v)
         else:
             own = g.op("Mul", g.op("Reshape", probs_own, g.ints(B, Hkv, T, rep, 1)),

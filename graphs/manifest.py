@@ -29,8 +29,8 @@ MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
 
 
-def graph_file(model: str, role: str, tokens: int, context: int) -> str:
-    return f"{model}.{role}{tokens}.s{context}.onnx"
+def graph_file(model: str, role: str, tokens: int, context: int, step_mask: bool = False) -> str:
+    return f"{model}.{'tree' if step_mask else role}{tokens}.s{context}.onnx"
 
 
 def weights_file(model: str) -> str:
@@ -100,13 +100,20 @@ class ModelEntry:
         from .quant import QuantSpec
         return QuantSpec.from_json(self.quant) if self.quant else None
 
-    def graph(self, role: str, tokens: int, context: int | None = None) -> GraphEntry | None:
-        """The graph of a role and T at a context bucket (the full context when None)."""
+    def graph(self, role: str, tokens: int, context: int | None = None, tree: bool = False) -> GraphEntry | None:
+        """The graph of a role and T at a context bucket (the full context when None); one per (role, T,
+        context). tree: only if it has the step_mask input (a chain runs in either kind: the runtime feeds a
+        masked graph the causal mask)."""
         context = context or self.dims.context
-        return next((g for g in self.graphs if (g.role, g.tokens, g.context) == (role, tokens, context)), None)
+        return next((g for g in self.graphs if (g.role, g.tokens, g.context) == (role, tokens, context)
+                     and (g.step_mask or not tree)), None)
 
     def step_tokens(self) -> list[int]:
         return sorted({g.tokens for g in self.graphs if g.role == C.STEP})
+
+    def tree_tokens(self) -> list[int]:
+        """T of the step graphs that verify token trees (root + T-1 nodes)."""
+        return sorted({g.tokens for g in self.graphs if g.role == C.STEP and g.step_mask})
 
     def buckets(self) -> list[int]:
         return sorted({g.context for g in self.graphs})
@@ -177,6 +184,10 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
         if g.role not in C.ROLES or g.tokens < 1 or not 0 < g.context <= dims.context:
             raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r}, tokens {g.tokens}, "
                               f"context {g.context} (model context {dims.context})")
+    keys = [(g.role, g.tokens, g.context) for g in graphs]
+    if len(set(keys)) != len(keys):
+        role, tokens, context = next(k for k in keys if keys.count(k) > 1)
+        raise BundleError(f"manifest: model '{name}' lists two graphs for role {role}, T={tokens}, context {context}")
     if not any(g.role == C.STEP and g.tokens == 1 and g.context == dims.context for g in graphs):
         raise BundleError(f"manifest: model '{name}' has no T=1 step graph over its full context")
     return entry

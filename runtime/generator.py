@@ -23,6 +23,8 @@ from ..errors import BundleError, GenerationError
 from ..graphs import contract as C
 from ..graphs.manifest import Manifest, load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
+from .tree import TreeLayout, spine_length
+from .tree_acceptance import accept_tree, accept_tree_greedy
 from .backends import create_backend
 from .draft_length import DraftLength
 from .model import ModelRunner
@@ -83,7 +85,7 @@ class Generator:
         self.backend.close()
 
     # -- validation ----------------------------------------------------------------------------------
-    def _validate(self, prompt_ids, max_new_tokens, proposer, gamma) -> None:
+    def _validate(self, prompt_ids, max_new_tokens, proposer, gamma, tree: int = 0) -> None:
         check_request([prompt_ids], self.target.dims, max_new_tokens)
         if proposer not in PROPOSERS:
             raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
@@ -92,6 +94,13 @@ class Generator:
                                   "--draft-layers), or use --proposer ngram")
         if proposer != "none":
             check_gamma(self.manifest, gamma)
+        if tree and proposer != "none":
+            trees = self.manifest.target.tree_tokens()
+            if tree not in trees:
+                raise GenerationError(f"tree {tree} has no tree graph in this bundle (export with --tree {tree}); "
+                                      f"exported trees: {', '.join(map(str, trees)) or 'none'}")
+            if gamma > tree - 1:
+                raise GenerationError(f"gamma {gamma} drafts do not fit a tree of {tree - 1} nodes")
 
     def _proposer(self, name: str, ngram: tuple[int, int]):
         if name == "draft":
@@ -102,13 +111,15 @@ class Generator:
             return NgramProposer(*ngram)
         return NoProposer()
 
-    def warm(self, proposer: str, gamma: int) -> None:
+    def warm(self, proposer: str, gamma: int, tree: int = 0) -> None:
         """Choose and create the sessions this run uses, so a broken graph fails before any output and no
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
-        (shorter proposals pad into it), and the draft's graphs when it drafts. Sessions are kept."""
+        (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. Sessions are
+        kept."""
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
-        self.target.warm(prefill + [(C.STEP, t) for t in steps])
+        trees = self.target.use_trees([tree] if tree and proposer != "none" else [])
+        self.target.warm(prefill + [(C.STEP, t) for t in steps], trees)
         if proposer == "draft" and self.draft_shares_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])  # no prefill, no catch-up
         elif proposer == "draft":
@@ -129,8 +140,13 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
-               ngram: tuple[int, int] = (2, 4), adaptive: bool = True, reuse: bool = False) -> Iterator[list[int]]:
+               ngram: tuple[int, int] = (2, 4), adaptive: bool = True, reuse: bool = False,
+               tree: int = 0) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
+
+        `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
+        proposer's chain of up to gamma drafts plus alternatives (runtime/tree.py); a round whose proposer
+        found no alternative verifies its chain as usual.
 
         `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling.
         `reuse` keeps the cached prefix that the last generation (or a restored session) shares with this
@@ -140,17 +156,19 @@ class Generator:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, max_new_tokens, proposer, gamma)
+        self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
+        tree = tree if proposer != "none" else 0
+        stats.tree = tree
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
         drafter = self._proposer(proposer, ngram)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
-        self.warm(proposer, gamma)
+        self.warm(proposer, gamma, tree)
         stats.start()
         if not reuse:
             target.reset()
@@ -170,21 +188,30 @@ class Generator:
                 clean = False
                 t0 = time.perf_counter()
                 k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
-                proposal = drafter.propose(context, k, sampler)
+                if tree and k and target.tree_graph_for(tree) is not None:
+                    proposal = drafter.propose_tree(context, k, tree - 1, sampler)
+                else:
+                    proposal = drafter.propose(context, k, sampler)
                 t1 = time.perf_counter()
                 base = target.cache.used
-                logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
-                t2 = time.perf_counter()
-                if params.greedy:
-                    n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
+                if proposal.parents is None or spine_length(proposal.parents) == len(proposal.tokens):  # a chain
+                    logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+                    t2 = time.perf_counter()
+                    if params.greedy:
+                        n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
+                    else:
+                        p = probs_from_logits(logits, params)
+                        n_accepted, next_token = accept_sampling(np.asarray(proposal.tokens, np.int64),
+                                                                 proposal.draft_probs, p, sampler.rng)
+                    target.cache.set_length(base + 1 + n_accepted)
+                    drafter.commit(n_accepted, next_token)
+                    length.update(len(proposal.tokens), n_accepted)
+                    accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
-                    p = probs_from_logits(logits, params)
-                    n_accepted, next_token = accept_sampling(np.asarray(proposal.tokens, np.int64),
-                                                             proposal.draft_probs, p, sampler.rng)
-                target.cache.set_length(base + 1 + n_accepted)
-                drafter.commit(n_accepted, next_token)
-                length.update(len(proposal.tokens), n_accepted)
-                new = proposal.tokens[:n_accepted] + [int(next_token)]
+                    accepted, next_token, depth = self._verify_tree(proposal, context[-1], base, params, sampler,
+                                                                    drafter, length, stats)
+                    t2 = time.perf_counter()
+                new = accepted + [int(next_token)]
                 for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
                     if token in stop:
                         new, reason = new[: i + 1], "stop"
@@ -194,7 +221,7 @@ class Generator:
                         break
                 context += new
                 emitted += len(new)
-                stats.record_round(len(proposal.tokens), len(new) - 1)
+                stats.record_round(len(proposal.tokens), len(new) - 1, depth)
                 stats.record_tokens(len(new))
                 stats.draft_ms += (t1 - t0) * 1e3
                 stats.verify_ms += (t2 - t1) * 1e3
@@ -208,6 +235,31 @@ class Generator:
             stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
             stats.finish(reason or ("cancelled" if clean else "error"))
 
+    def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats):
+        """One verify step over a token tree (spine plus leaves, runtime/tree.py); commit the accepted path.
+        Returns (accepted tokens, next token, the tree's depth)."""
+        tokens, parents = proposal.tokens, proposal.parents
+        layout = TreeLayout.build(pending, tokens, parents)
+        logits = self.target.run_tree(layout)  # [N+1, V]
+        if params.greedy:
+            path, next_token = accept_tree_greedy(tokens, parents, logits)
+        else:
+            path, next_token = accept_tree(tokens, parents, probs_from_logits(logits, params), proposal.draft_probs,
+                                           sampler.rng)
+        self.target.commit_tree(base, path)
+        spine = spine_length(parents)
+        off_chain = bool(path) and path[-1] >= spine
+        on_chain = len(path) - off_chain
+        if off_chain:
+            drafter.commit(on_chain, next_token, leaf=tokens[path[-1]])
+        else:
+            drafter.commit(on_chain, next_token)
+        length.update(spine, on_chain)
+        stats.tree_rounds += 1
+        stats.tree_nodes += len(tokens)
+        stats.off_chain_accepted += off_chain
+        return [tokens[i] for i in path], next_token, int(layout.depth.max())
+
     def _keep_history(self, committed: list[int] | None, drafter) -> None:
         """Record what the caches hold after a generation, for the next prefill to reuse (None: unknown)."""
         runners = [self.target] + ([self.draft] if isinstance(drafter, DraftModelProposer) else [])
@@ -220,11 +272,11 @@ class Generator:
     def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
-                 adaptive: bool = True, reuse: bool = False) -> GenerationResult:
+                 adaptive: bool = True, reuse: bool = False, tree: int = 0) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
-                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse):
+                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)

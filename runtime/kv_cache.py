@@ -90,6 +90,11 @@ class KVCache:
                     buf[b, :, start:start + n] = new[b, :, :n]
             self.length[b] = start + n
 
+    def move_entry(self, src: int, dst: int) -> None:
+        """Copy slot src to slot dst in every layer (batch 1): a tree node accepted off the first chain."""
+        for buf in self.keys + self.values:
+            buf[0, :, dst] = buf[0, :, src]
+
     def set_row_length(self, row: int, n: int) -> None:
         """Commit or roll back one row of a batch."""
         if not 0 <= n <= self.bucket:

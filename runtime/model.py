@@ -16,6 +16,7 @@ from ..errors import BackendError, BundleError, PlacementError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
 from .kv_cache import KVCache, SharedKVCache
+from .tree import TreeLayout
 
 
 class _Step:
@@ -31,6 +32,10 @@ class _Step:
         self.new_keys = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
         self.new_values = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
         inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
+        self.step_mask, self.holds_tree = None, False
+        if graph.step_mask:  # causal unless a tree run fills it: a chain runs in a tree graph too
+            self.step_mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)).copy()
+            inputs[C.STEP_MASK] = self.step_mask
         outputs = {}
         if self.logits is not None:
             outputs[C.LOGITS] = self.logits
@@ -52,6 +57,7 @@ class ModelRunner:
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
+        self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
         # The tokens whose K/V the cache holds (slot i <-> history[i]) when a generation ended cleanly; empty
@@ -59,10 +65,10 @@ class ModelRunner:
         self.history: list[int] = []
 
     # -- sessions ------------------------------------------------------------------------------------
-    def _step(self, role: str, tokens: int, context: int) -> _Step:
-        key = (role, tokens, context)
+    def _step(self, role: str, tokens: int, context: int, tree: bool = False) -> _Step:
+        key = (role, tokens, context, tree)
         if key not in self._steps:
-            graph = self.entry.graph(role, tokens, context)
+            graph = self.entry.graph(role, tokens, context, tree)
             path = os.path.join(self._dir, graph.file)
             if not os.path.isfile(path):
                 raise BundleError(f"graph file missing: {path}")
@@ -81,25 +87,28 @@ class ModelRunner:
     def sessions(self) -> int:
         return len(self._steps)
 
-    def warm(self, roles_tokens: list[tuple[str, int]]) -> None:
+    def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = ()) -> None:
         """Create (and validate) the sessions a run will need, in every bucket, before it produces output."""
-        for role, tokens in roles_tokens:
+        for role, tokens, tree in [(r, t, False) for r, t in roles_tokens] + [(C.STEP, t, True) for t in trees]:
             for context in self.entry.buckets():
-                if self.entry.graph(role, tokens, context):
-                    self._step(role, tokens, context)
+                if self.entry.graph(role, tokens, context, tree):
+                    self._step(role, tokens, context, tree)
 
     # -- graph choice --------------------------------------------------------------------------------
     def use_steps(self, sizes: list[int] | None) -> list[int]:
         """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a
         run loads the few it needs (T=1 and T=gamma+1) and pads shorter steps into them."""
-        available = self.entry.step_tokens()
-        self._step_sizes = sorted(set(sizes) & set(available)) if sizes is not None else available
+        self._step_sizes = _restrict(self.entry.step_tokens(), sizes)
+        return self._step_sizes
+
+    @property
+    def step_sizes(self) -> list[int]:
+        """The step graphs runs may use (use_steps)."""
         return self._step_sizes
 
     def step_graph_for(self, n: int) -> int | None:
         """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
-        fits = [t for t in self._step_sizes if n <= t <= self.cache.free]
-        return min(fits) if fits else None
+        return _smallest_fit(self._step_sizes, n, self.cache.free)
 
     def _prefill_plan(self, remaining: int) -> tuple[str, int]:
         """Full prefill chunks first; a tail goes through the smallest graph that holds it (a half-size
@@ -118,17 +127,17 @@ class ModelRunner:
         return role, t
 
     # -- running -------------------------------------------------------------------------------------
-    def _bucket_for(self, role: str, T: int) -> int:
+    def _bucket_for(self, role: str, T: int, tree: bool = False) -> int:
         """The smallest past length, at or above the active one, that has the graph and holds the cache plus
         all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1."""
         need = max(self.cache.bucket, self.cache.used + T)
-        return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b))
+        return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b, tree))
 
-    def _execute(self, role: str, T: int, rows) -> _Step:
+    def _execute(self, role: str, T: int, rows, tree: TreeLayout | None = None) -> _Step:
         """Run graph (role, T): row b feeds rows[b] (rows past len(rows), or empty, idle), padded to T, at its
-        own cache length; each row's new K/V go after its valid entries."""
-        self.cache.use_bucket(self._bucket_for(role, T))
-        step = self._step(role, T, self.cache.bucket)
+        own cache length; each row's new K/V go after its valid entries (a tree's in step order)."""
+        self.cache.use_bucket(self._bucket_for(role, T, tree is not None))
+        step = self._step(role, T, self.cache.bucket, tree is not None)
         counts = [len(r) for r in rows] + [0] * (self.dims.batch - len(rows))
         for b, n in enumerate(counts):
             if n:
@@ -136,6 +145,14 @@ class ModelRunner:
             step.input_ids[b, n:] = 0
             start = self.cache.length[b]
             step.position_ids[b] = np.arange(start, start + T)  # padding rows continue the positions
+        if tree is not None:  # batch 1: node rows sit at their depth, see their ancestors only
+            n = counts[0]
+            step.position_ids[0, :n] = self.cache.length[0] + tree.depth
+            step.step_mask[0] = np.eye(T, dtype=bool)  # padding rows see themselves only
+            step.step_mask[0, :n, :n] = tree.sees
+        elif step.holds_tree:  # a tree ran in this graph last: causal again for a chain
+            step.step_mask[:] = np.tril(np.ones((T, T), bool))
+        step.holds_tree = tree is not None
         began = time.perf_counter()
         step.session.run()
         self.graph_seconds += time.perf_counter() - began
@@ -143,11 +160,12 @@ class ModelRunner:
         self.cache.append(step.new_keys, step.new_values, counts)
         return step
 
-    def reserve(self, n: int) -> None:
-        """Move the cache now to the bucket that a run of n tokens will use (see SharedKVCache)."""
-        T = self.step_graph_for(n)
+    def reserve(self, n: int, tree: bool = False) -> None:
+        """Move the cache now to the bucket that a run of n tokens (a tree of n rows) will use (see
+        SharedKVCache)."""
+        T = self.tree_graph_for(n) if tree else self.step_graph_for(n)
         if T is not None:
-            self.cache.use_bucket(self._bucket_for(C.STEP, T))
+            self.cache.use_bucket(self._bucket_for(C.STEP, T, tree))
 
     def run(self, tokens) -> np.ndarray:
         """Process tokens in one step graph; return their logits [n, V] (a view, valid until the next run)."""
@@ -156,6 +174,35 @@ class ModelRunner:
         if T is None:
             raise ValueError(f"no step graph holds {n} tokens in {self.cache.free} free cache slots")
         return self._execute(C.STEP, T, [tokens]).logits[0, :n]
+
+    # -- token trees (runtime/tree.py) -------------------------------------------------------------------
+    def use_trees(self, sizes: list[int] | None) -> list[int]:
+        """Restrict tree runs to these tree graphs (None: all exported)."""
+        self._tree_sizes = _restrict(self.entry.tree_tokens(), sizes)
+        return self._tree_sizes
+
+    def tree_graph_for(self, n: int) -> int | None:
+        """The smallest tree graph in use that holds n rows (root included) and fits in the free slots."""
+        return _smallest_fit(self._tree_sizes, n, self.cache.free)
+
+    def run_tree(self, tree: TreeLayout) -> np.ndarray:
+        """Verify a token tree (root = the pending token, then the nodes) in one tree graph; returns logits
+        [N+1, V]: row 0 after the root, row i+1 after node i. The cache grows by N+1 entries in step order;
+        `commit_tree` keeps the accepted path."""
+        if self.dims.batch != 1:
+            raise ValueError("token trees run at batch 1")
+        T = self.tree_graph_for(len(tree.tokens))
+        if T is None:
+            raise ValueError(f"no tree graph holds {len(tree.tokens)} rows in {self.cache.free} free cache slots")
+        return self._execute(C.STEP, T, [tree.tokens], tree).logits[0, :len(tree.tokens)]
+
+    def commit_tree(self, base: int, path: list[int]) -> None:
+        """Keep the root and the accepted nodes (indices from the root down): node i's entries move from step
+        slot base+1+i to base+depth, its slot in the committed sequence (only nodes off the first chain move)."""
+        for depth, node in enumerate(path, start=1):
+            if node + 1 != depth:
+                self.cache.move_entry(base + 1 + node, base + depth)
+        self.cache.set_length(base + 1 + len(path))
 
     def prefill(self, tokens) -> None:
         """Fill the cache with tokens in the fewest graph runs; no logits are kept."""
@@ -176,15 +223,21 @@ class ModelRunner:
             raise ValueError(f"no step graph holds {n} tokens in {self.cache.free} free cache slots")
         return self._execute(C.STEP, T, rows).logits
 
+    def prefill_chunk(self, pending: list[list[int]]) -> list[int]:
+        """One prefill run for the rows of a batch: row b puts the first tokens of pending[b] in its cache
+        (empty, or past len(pending): idle), planned like `prefill` for the row with the most left. Returns
+        how many tokens each row consumed."""
+        role, T = self._prefill_plan(max(len(p) for p in pending))
+        rows = [list(p[:T]) for p in pending]
+        self._execute(role, T, rows)
+        return [len(r) for r in rows]
+
     def prefill_rows(self, prompts: list[list[int]]) -> None:
-        """Fill row b's cache with prompts[b], all rows in the same steps, planned like `prefill` for the row
-        with the most left; a row with nothing left (or past len(prompts)) idles."""
-        done = [0] * len(prompts)
-        while any(d < len(p) for d, p in zip(done, prompts)):
-            role, T = self._prefill_plan(max(len(p) - d for d, p in zip(done, prompts)))
-            rows = [list(p[d:d + T]) for d, p in zip(done, prompts)]
-            self._execute(role, T, rows)
-            done = [d + len(r) for d, r in zip(done, rows)]
+        """Fill row b's cache with prompts[b], all rows in the same steps."""
+        pending = [list(p) for p in prompts]
+        while any(pending):
+            done = self.prefill_chunk(pending)
+            pending = [p[n:] for p, n in zip(pending, done)]
 
     def prefill_reusing(self, tokens: list[int]) -> int:
         """Fill the cache with tokens, keeping the longest prefix it already holds (see `history`): a
@@ -213,6 +266,15 @@ class ModelRunner:
         for step in self._steps.values():
             step.session.close()
         self._steps.clear()
+
+
+def _restrict(available: list[int], sizes: list[int] | None) -> list[int]:
+    return sorted(set(sizes) & set(available)) if sizes is not None else available
+
+
+def _smallest_fit(sizes: list[int], n: int, free: int) -> int | None:
+    fits = [t for t in sizes if n <= t <= free]
+    return min(fits) if fits else None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -26,6 +26,7 @@ from .sampling import SamplingParams, greedy_token, probs_from_logits, sample_to
 class Proposal:
     tokens: list[int]
     draft_probs: np.ndarray | None  # q, float64 [k, V_target]; None: a point mass on each token
+    parents: list[int] | None = None  # a token tree (runtime/tree.py: spine plus leaves); None: a chain
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -59,7 +60,7 @@ class NoProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return EMPTY
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
+    def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
         pass
 
 
@@ -79,8 +80,52 @@ class NgramProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return Proposal(ngram_lookup(np.asarray(context), k, self.n_min, self.n_max), None) if k > 0 else EMPTY
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
+    def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
+        if k < 1 or nodes < 1:
+            return EMPTY
+        tokens, parents = ngram_tree(np.asarray(context), k, nodes, self.n_min, self.n_max)
+        return Proposal(tokens, None, parents) if tokens else EMPTY
+
+    def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
         pass
+
+
+def ngram_tree(context: np.ndarray, k: int, nodes: int, n_min: int, n_max: int) -> tuple[list[int], list[int]]:
+    """Prompt lookup with several matches: a spine plus leaves (runtime/tree.py), at most `nodes` nodes.
+
+    The spine is the continuation of the most recent occurrence of the longest matching suffix (the chain
+    proposal), extended by looking its own end up again when the match ran into the end of the context.
+    Every other occurrence of a matching suffix (longest first, most recent first) contributes the token
+    where its continuation leaves the spine, as a leaf under the spine node before it: when the spine's
+    token there is rejected, the target may still accept that alternative."""
+    length = len(context)
+    starts: list[int] = []
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(context[:length - 1], n)
+        hits = np.flatnonzero((windows == context[length - n:]).all(axis=1))
+        starts += [int(h) + n for h in hits[::-1] if int(h) + n not in starts]
+    if not starts:
+        return [], []
+    spine = context[starts[0]:starts[0] + k].tolist()
+    while 0 < len(spine) < k:  # chained lookup: the continuation's own suffix, looked up again
+        more = ngram_lookup(np.concatenate([context, np.asarray(spine, context.dtype)]), k - len(spine), n_min, n_max)
+        if not more:
+            break
+        spine += more
+    spine = spine[:nodes]
+    tokens, parents = list(spine), list(range(len(spine)))
+    seen = set()
+    for start in starts[1:]:
+        if len(tokens) >= nodes:
+            break
+        cont = context[start:start + len(spine)].tolist()
+        d = next((i for i, t in enumerate(cont) if t != spine[i]), None)  # where it leaves the spine
+        if d is None or (d, cont[d]) in seen:
+            continue
+        seen.add((d, cont[d]))
+        tokens.append(cont[d])
+        parents.append(d)  # the child of spine node d-1 (of the root when d = 0)
+    return tokens, parents
 
 
 def ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -116,6 +161,11 @@ class DraftModelProposer:
         self._behind = []
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        return self.propose_tree(context, k, k, sampler)
+
+    def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
+        """A chain of k drafts, plus leaves (the draft's next candidates at the first positions) up to
+        `nodes` nodes; nodes == k: a chain."""
         cache = self.runner.cache
         self._feed = self._behind + [context[-1]]
         self._base = cache.used
@@ -129,11 +179,12 @@ class DraftModelProposer:
             logits = self.runner.run(self._feed[-1:])[-1]
         else:
             logits = self.runner.run(self._feed)[-1]
-        proposal = draft_tokens(self.runner, logits, k, sampler)
-        self._proposed = proposal.tokens
+        proposal = draft_tokens(self.runner, logits, k, sampler, max(nodes, k))
+        self._proposed = proposal.tokens[:k]
         return proposal
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
+    def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
+        """n_accepted drafts of the chain were kept, then `leaf` (a tree node off the chain) if given."""
         k = len(self._proposed)
         if k == 0:
             # The target consumed the pending token without drafts; the draft cache never saw it.
@@ -141,9 +192,10 @@ class DraftModelProposer:
             self._behind = self._feed
             return
         # The cache now holds base + feed + drafts[:k-1]; keep the part the target accepted. After a full
-        # accept the last draft was never fed, so it waits to be fed with the next pending token (T=2).
+        # accept the last draft was never fed, so it waits to be fed with the next pending token (T=2), and
+        # so does an accepted leaf, which the draft never ran.
         self.runner.cache.set_length(self._base + len(self._feed) + min(n_accepted, k - 1))
-        self._behind = [self._proposed[-1]] if n_accepted == k else []
+        self._behind = ([self._proposed[-1]] if n_accepted == k else []) + ([leaf] if leaf is not None else [])
 
 
 class LayerDraftProposer:
@@ -160,28 +212,47 @@ class LayerDraftProposer:
         self.runner.reset()  # its length only: the entries it reads are the target's
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        return self.propose_tree(context, k, k, sampler)
+
+    def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1:
             return EMPTY
         # The verify step's bucket, chosen now: the shared buffers must not change bucket while draft
         # entries sit past the target's valid length.
-        self.target.reserve(k + 1)
+        self.target.reserve(max(nodes, k) + 1, tree=nodes > k)
         cache = self.runner.cache
         cache.follow()
         k = min(k, cache.free)  # the pending token and k-1 drafts take k slots
-        return draft_tokens(self.runner, self.runner.run(context[-1:])[-1], k, sampler)
+        return draft_tokens(self.runner, self.runner.run(context[-1:])[-1], k, sampler, max(nodes, k))
 
-    def commit(self, n_accepted: int, next_token: int) -> None:
+    def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
         pass  # the target's commit is the draft's: the next round follows its valid length
 
 
-def draft_tokens(runner: ModelRunner, logits: np.ndarray, k: int, sampler: Sampler) -> Proposal:
+def draft_tokens(runner: ModelRunner, logits: np.ndarray, k: int, sampler: Sampler, nodes: int | None = None) -> Proposal:
     """k drafts from a draft model, starting from its logits after the pending token; each but the last is
-    fed back (the last is never needed: the target's verify step judges it)."""
-    tokens, probs = [], []
+    fed back (the last is never needed: the target's verify step judges it).
+
+    nodes > k: a tree (runtime/tree.py, spine plus leaves): the chain, then leaves with the draft's next most
+    likely tokens at each position, the first positions first (where a leaf is most often reached), until
+    `nodes`. A leaf is a deterministic candidate: its row of draft_probs is a point mass on it."""
+    tokens, probs, leaves = [], [], []
+    budget = max(0, (nodes or k) - k)
     for j in range(k):
         token, q = sampler.draft_from(logits)
         tokens.append(token)
         probs.append(q)
+        if budget > len(leaves):
+            width = -(-(budget - len(leaves)) // (k - j))  # the rest of the budget, front-loaded
+            ranked = np.argsort(-logits[: sampler.vocab_size], kind="stable")[: width + 1]
+            leaves += [(j, int(t)) for t in ranked if int(t) != token][:width]
         if j < k - 1:
             logits = runner.run([token])[-1]
-    return Proposal(tokens, None if sampler.params.greedy else np.stack(probs))
+    if not leaves:
+        return Proposal(tokens, None if sampler.params.greedy else np.stack(probs))
+    parents = list(range(k)) + [j for j, _ in leaves]
+    if not sampler.params.greedy:
+        point = np.zeros((len(leaves), sampler.vocab_size))
+        point[np.arange(len(leaves)), [t for _, t in leaves]] = 1.0
+        probs = list(probs) + list(point)
+    return Proposal(tokens + [t for _, t in leaves], None if sampler.params.greedy else np.stack(probs), parents)

@@ -16,6 +16,10 @@ class Stats:
     gamma: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose K/V a session's cache already held (not prefilled again)
+    tree: int = 0  # the tree graph's T (0: chains only)
+    tree_rounds: int = 0  # rounds that verified a token tree
+    tree_nodes: int = 0  # nodes those trees offered (also counted in proposed)
+    off_chain_accepted: int = 0  # tree rounds whose accepted path ended in a leaf off the first chain
     new_tokens: int = 0
     rounds: int = 0
     proposed: int = 0
@@ -41,11 +45,14 @@ class Stats:
     def ms_since_start(self) -> float:
         return (time.perf_counter() - self._started) * 1e3
 
-    def record_round(self, proposed: int, accepted: int) -> None:
-        grow = max(0, proposed - len(self.proposed_by_position))
+    def record_round(self, proposed: int, accepted: int, positions: int | None = None) -> None:
+        """A round offered `proposed` drafts reaching `positions` positions (a chain: as many; a tree: its
+        depth) and emitted `accepted` of them."""
+        positions = proposed if positions is None else positions
+        grow = max(0, positions - len(self.proposed_by_position))
         self.proposed_by_position += [0] * grow
         self.accepted_by_position += [0] * grow
-        for j in range(proposed):
+        for j in range(positions):
             self.proposed_by_position[j] += 1
         for j in range(accepted):
             self.accepted_by_position[j] += 1

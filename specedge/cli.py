@@ -45,9 +45,11 @@ def _add_export(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="weights, cache and activations (logits are always float32)")
-    p.add_argument("--for", dest="for_runtime", choices=["any", "qnn"], default="any",
+    p.add_argument("--for", dest="for_runtime", choices=["any", "qnn", "qnn-qdq16"], default="any",
                    help="qnn: graphs for Qualcomm's HTP through onnxruntime's QNN EP (the qnn-fp16 flavour: float16 "
-                   "weights, cache and activations; implies --dtype float16). Default any: the portable graphs")
+                   "weights, cache and activations; implies --dtype float16). qnn-qdq16: QDQ graphs for the HTP, "
+                   "uint16 activations and int8 weights, calibrated on the prompt suite (float32 I/O). Default any: "
+                   "the portable graphs")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
@@ -59,7 +61,10 @@ def _add_export(sub) -> None:
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
-    p.add_argument("--step-mask", action="store_true", help="add the optional step_mask input (tree verification)")
+    p.add_argument("--step-mask", action="store_true",
+                   help="give every step graph the optional step_mask input (a port that wants one graph per T)")
+    p.add_argument("--tree", type=_ints, default=[], metavar="T1,T2",
+                   help="also export target step graphs with step_mask for token trees of T-1 nodes (generate --tree)")
     p.add_argument("--force", action="store_true", help="replace BUNDLE if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -71,8 +76,8 @@ def _run_export(a) -> int:
     opts = ExportOptions(context=a.context, gammas=tuple(a.gamma), prefill_chunk=a.prefill_chunk,
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
-                         step_mask=a.step_mask, quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
-                         flavour="qnn-fp16" if qnn else "portable")
+                         step_mask=a.step_mask, tree_sizes=tuple(a.tree), quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
+                         flavour={"qnn": "qnn-fp16", "qnn-qdq16": "qnn-qdq16"}.get(a.for_runtime, "portable"))
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())
     print(f"wrote {a.out}: {graphs} graphs, models: {', '.join(m.models)} ({m.export['seconds']} s)")
@@ -115,6 +120,9 @@ def _add_sampling(p) -> None:
                    help="where drafts come from: the bundle's draft model, prompt lookup (ngram), or none (plain "
                    "decode). Default: draft when the bundle has one, else ngram")
     p.add_argument("--gamma", type=int, default=4, help="drafts per round; needs a T=gamma+1 verify graph (default 4)")
+    p.add_argument("--tree", type=int, default=0, metavar="T",
+                   help="verify token trees of up to T-1 nodes (the chain of gamma drafts plus alternatives) in the "
+                   "bundle's tree graph T (export --tree T); default 0: chains")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = all)")
@@ -193,6 +201,10 @@ def _run_generate_batch(a) -> int:
 
     from .runtime.batch import BatchGenerator
 
+    if a.tree:
+        from .errors import GenerationError
+
+        raise GenerationError("--tree runs one sequence at a time; batches (--prompts) verify chains")
     gen = BatchGenerator.load(a.bundle, backend=a.backend, threads=a.threads)
     try:
         prompts = _batch_prompts(gen, a.prompts)
@@ -230,8 +242,8 @@ def _run_generate(a) -> int:
     session = _open_session(gen, a.session) if a.session else None
     proposer = a.proposer or ("draft" if gen.draft else "ngram")
     stats = Stats()
-    kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, temperature=a.temperature,
-                  top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats)
+    kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
+                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats)
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):
@@ -272,6 +284,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--kinds", type=_names, default=None, metavar="K1,K2", help="only prompts of these kinds")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--fixed-gamma", action="store_true", help="always propose gamma drafts (no adaptation)")
+    p.add_argument("--trees", type=_ints, default=[], metavar="T1,T2",
+                   help="also run each proposer and gamma < T as token trees in the bundle's tree graph T")
     p.add_argument("--compare", type=_names, default=None, metavar="PEERS",
                    help="also run peers: transformers, ort-genai, ort-genai-int4 (each needs its package installed)")
     p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
@@ -287,7 +301,8 @@ def _run_bench(a) -> int:
 
     result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
                        max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
-                       limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma)
+                       limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma,
+                       trees=a.trees)
     print(render_table(result["rows"]))
     print()
     print(render_round_breakdown(result["rows"]))
@@ -327,9 +342,10 @@ def _run_demo(a) -> int:
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a bundle (chat, completions, streaming)",
                        description="Serve /v1/chat/completions, /v1/completions (streaming with server-sent events or "
-                       "not), /v1/models, /health and /metrics. Requests run one at a time on one generator (no "
-                       "shared state can be corrupted); up to --max-queue wait, more get 429. A conversation's next "
-                       "turn reuses its cached prefix. Request extensions: proposer, gamma, top_k.")
+                       "not), /v1/models, /health and /metrics. On a batch-1 bundle requests run one at a time on one "
+                       "generator; on a bundle exported with --batch B up to B run together (continuous batching). "
+                       "Up to --max-queue wait or run, more get 429. A conversation's next turn reuses its cached "
+                       "prefix. Request extensions: proposer, gamma, top_k.")
     p.add_argument("bundle")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")

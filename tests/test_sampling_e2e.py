@@ -34,7 +34,7 @@ def pair(tmp_path_factory):
     make_hf_model(str(root / "draft"), "llama", vocab=V, layers=1, hidden=32, heads=4, kv_heads=2, seed=2,
                   logit_scale=10.0)
     out = str(root / "bundle")
-    export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4)),
+    export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4), tree_sizes=(8,)),
                   draft_path=str(root / "draft"), progress=False)
     g = Generator.load(out)
     yield g, target, lookup_prompt(target)
@@ -51,6 +51,15 @@ def lookup_prompt(model) -> list[int]:
         for _ in range(3):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids + [START, ids[1]]
+
+
+def branching_prompt(model) -> list[int]:
+    """[START, g1] followed once by the target's second choice h and later by its greedy g2 g3, then
+    [START, g1] again: prompt lookup proposes g2 g3 ... as the chain and h as a leaf beside g2."""
+    ids = lookup_prompt(model)[:4]  # START g1 g2 g3
+    with torch.no_grad():
+        second = int(model(torch.tensor([ids[:2]])).logits[0, -1].argsort(descending=True)[1])
+    return ids[:2] + [second] + ids + ids[:2]
 
 
 def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -85,21 +94,26 @@ def exact_law(model, prompt, params: SamplingParams) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N):
+def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0):
     """Counts of the 16^3 continuations over n seeded runs; asserts that a speculative proposer really ran:
-    drafts were proposed, some accepted and some rejected."""
+    drafts were proposed, some accepted and some rejected (with trees: tree rounds ran, and some accepted
+    paths ended in a node off the first chain)."""
     counts = np.zeros(V ** 3)
-    proposed = accepted = 0
+    proposed = accepted = tree_rounds = off_chain = 0
     for i in range(n):
         out = gen.generate(prompt, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed * 1_000_003 + i, stop_ids=[],
-                           adaptive=False)
+                           adaptive=False, tree=tree)
         a, b, c = out.tokens
         counts[(a * V + b) * V + c] += 1
         proposed += out.stats.proposed
         accepted += out.stats.accepted
+        tree_rounds += out.stats.tree_rounds
+        off_chain += out.stats.off_chain_accepted
     if proposer != "none":
         assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
+    if tree:
+        assert tree_rounds > 0 and off_chain > 0, (proposer, tree_rounds, off_chain)
     return counts
 
 
@@ -137,8 +151,8 @@ def layer_pair(tmp_path_factory):
     target = make_hf_model(str(root / "target"), "llama", vocab=V, layers=2, hidden=32, heads=4, kv_heads=2,
                            seed=1, logit_scale=10.0)
     out = str(root / "bundle")
-    export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4), draft_layers=1),
-                  progress=False)
+    export_bundle(str(root / "target"), out, ExportOptions(context=32, prefill_chunk=4, gammas=(2, 4), draft_layers=1,
+                                                           tree_sizes=(8,)), progress=False)
     g = Generator.load(out)
     assert g.draft_shares_cache
     yield g, target, lookup_prompt(target)
@@ -174,4 +188,45 @@ def test_wrong_rule_is_caught(pair, monkeypatch):
 
     monkeypatch.setattr(generator_module, "accept_sampling", wrong_accept)
     counts = sample_counts(gen, prompt, "draft", 2, params, seed=5)
+    assert goodness_of_fit(counts, exact_law(model, prompt, params)) < P_MIN
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
+@pytest.mark.parametrize("which, proposer", [("pair", "draft"), ("pair", "ngram"), ("layer", "draft")])
+def test_tree_sampling_matches_plain_sampling(pair, layer_pair, params, which, proposer):
+    """Token trees (runtime/tree.py) of up to 7 nodes: the chain plus the draft's next candidates (point
+    masses) or prompt lookup's other matches, accepted by multi-candidate speculative sampling."""
+    gen, model, prompt = pair if which == "pair" else layer_pair
+    if proposer == "ngram":
+        prompt = branching_prompt(model)
+    counts = sample_counts(gen, prompt, proposer, 2, params, seed=11, n=2000, tree=8)
+    assert goodness_of_fit(counts, exact_law(model, prompt, params)) > P_MIN
+
+
+def test_wrong_tree_rule_is_caught(pair, monkeypatch):
+    """Trying each child against the original r (never taking the residual after a rejected sibling) skews
+    the output; the tree test above would see it."""
+    from specedge.runtime import tree_acceptance
+
+    gen, model, prompt = pair
+    params = SETTINGS[0]
+
+    def wrong_accept_tree(tokens, parents, target_probs, draft_probs, rng):
+        children = {}
+        for i, p in enumerate(parents):
+            children.setdefault(int(p), []).append(i)
+        path, row = [], 0
+        while True:
+            for c in children.get(row, []):
+                q = draft_probs[c][tokens[c]] if draft_probs is not None else 1.0
+                if rng.random() * q < target_probs[row][tokens[c]]:
+                    path.append(c)
+                    row = c + 1
+                    break
+            else:
+                return path, sample_token(target_probs[row], rng)
+
+    assert tree_acceptance.accept_tree is generator_module.accept_tree
+    monkeypatch.setattr(generator_module, "accept_tree", wrong_accept_tree)
+    counts = sample_counts(gen, prompt, "draft", 2, params, seed=13, n=2000, tree=8)
     assert goodness_of_fit(counts, exact_law(model, prompt, params)) < P_MIN

@@ -27,6 +27,7 @@ class Config:
     name: str
     proposer: str = "none"  # ours: none | ngram | draft
     gamma: int = 0
+    tree: int = 0  # ours: the tree graph T (0: chains)
     peer: str | None = None  # a peer system's name
     peer_config: str | None = None
 
@@ -50,6 +51,8 @@ class Run:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     commit_ms: float = 0.0
+    tree_nodes: int = 0
+    off_chain_accepted: int = 0
 
 
 def load_prompts(path: str) -> list[dict]:
@@ -75,7 +78,8 @@ def load_prompts(path: str) -> list[dict]:
     return prompts
 
 
-def configs_for(proposers: list[str], gammas: list[int], has_draft: bool) -> list[Config]:
+def configs_for(proposers: list[str], gammas: list[int], has_draft: bool, trees: list[int] = ()) -> list[Config]:
+    """Plain decode, each proposer at each gamma as a chain, and as a tree in each tree graph it fits."""
     configs = [Config("none")]
     for proposer in proposers:
         if proposer == "none":
@@ -85,6 +89,7 @@ def configs_for(proposers: list[str], gammas: list[int], has_draft: bool) -> lis
         if proposer == "draft" and not has_draft:
             raise BenchError("proposer 'draft' needs a bundle with a draft model (export with --draft-layers N)")
         configs += [Config(f"{proposer} g={g}", proposer, g) for g in gammas]
+        configs += [Config(f"{proposer} g={g} tree={t}", proposer, g, t) for t in trees for g in gammas if g < t]
     return configs
 
 
@@ -219,7 +224,7 @@ def write_plot(rows: list[dict], path: str, title: str) -> None:
 def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list[int], repeats: int = 3,
               max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
               kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
-              peer_model: str | None = None, adaptive: bool = True) -> dict:
+              peer_model: str | None = None, adaptive: bool = True, trees: list[int] = ()) -> dict:
     from ..runtime.generator import Generator
     from ..runtime.stats import Stats
 
@@ -234,7 +239,10 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     gen = Generator.load(bundle, backend=backend, threads=threads)
     if gen.tokenizer is None:
         raise BenchError("the bundle has no tokenizer (or the tokenizers package is missing): bench needs text prompts")
-    configs = configs_for(proposers, gammas, gen.draft is not None)
+    missing = sorted(set(trees) - set(gen.manifest.target.tree_tokens()))
+    if missing:
+        raise BenchError(f"--trees {missing[0]}: the bundle has no such tree graph (export with --tree)")
+    configs = configs_for(proposers, gammas, gen.draft is not None, trees)
     peers = _load_peers(compare or [], gen, bundle, threads, peer_model)
     for peer in peers.values():
         configs += [Config(f"{peer.name} {c}", peer=peer.name, peer_config=c) for c in peer.configs]
@@ -249,10 +257,10 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
                        None if out.ttft_s is None else out.ttft_s * 1e3)
         s = Stats()
         tokens = [t for new in gen.stream(pid, n, proposer=c.proposer, gamma=c.gamma or 4, stop_ids=[], stats=s,
-                                          adaptive=adaptive) for t in new]
+                                          adaptive=adaptive, tree=c.tree) for t in new]
         return Run(c.name, prompt["id"], prompt["kind"], len(pid), tokens, s.total_ms, s.ttft_ms, s.itl_ms,
                    s.rounds, s.proposed, s.accepted, s.proposed_by_position, s.accepted_by_position, s.host_share,
-                   s.draft_ms, s.verify_ms, s.commit_ms)
+                   s.draft_ms, s.verify_ms, s.commit_ms, s.tree_nodes, s.off_chain_accepted)
 
     for c in configs:  # warm-up: sessions created, first-run allocations done, before anything is timed
         run_once(c, prompts[0], 8)

@@ -1,0 +1,374 @@
+"""The qnn-qdq16 flavour: a float32 bundle turned into QDQ graphs for Qualcomm's HTP (onnxruntime's QNN EP).
+
+One job: calibrate and quantize the float32 step graphs that export_bundle has just written, in place.
+
+* Calibration runs the float32 bundle itself through the specedge runtime (CPU, the `ort` backend) over real
+  prompts (the prompt suite by default), teacher-forced: each prompt walks through the cache in turns of every
+  graph of the model (prefill chunks and step graphs alike), so every (role, T) graph sees real feeds at many
+  cache lengths. What each graph receives (input_ids, position_ids, cache_len, the valid slots of the past K/V)
+  is recorded and becomes its CalibrationDataReader. A graph of a larger context bucket that the prompts did
+  not reach reads the same samples with the past zero-padded (slots past cache_len are masked: any value is
+  valid there).
+* Every step graph of a model is built with the same nodes under the same names (build_step_graph same_ops:
+  a one-token step scatters like a verify step), and each tensor gets one range, the union over all the
+  model's graphs: a verify row is then quantized exactly like a decode step, and greedy speculation on the HTP
+  equals plain greedy decoding there (tests/test_qnn_qdq.py). Per-graph scales broke that on the tiny model.
+* ScatterElements runs on raw quantized values on the HTP: its data, updates and output share one range.
+* onnxruntime.quantization (get_qnn_qdq_config + quantize_static, MinMax) writes QDQ graphs: uint16 activations,
+  int8 symmetric weights (per output channel for every MatMul weight). The graph I/O stays float32 / int64
+  (QuantizeLinear after each input, DequantizeLinear before each output): the contract and the runtime's
+  buffers do not change.
+* Range outliers: the additive attention mask shares its quantization scale with the masked scores (one Add),
+  so the float graphs of this flavour are built with a mask of MASK_VALUE instead of the dtype's minimum (see
+  graphs/llama.py). Softmax turns a hidden slot's score - |MASK_VALUE| into exp(-|MASK_VALUE| + ...) ~ 0.
+* Weights: every graph quantizes the same float tensors to the same int8 values and scales (symmetric MinMax
+  depends on the tensor only), so the large initializers of all graphs of a weights file are stored once, in a
+  new weights file that replaces the float32 one, and the graphs refer to it as external data; per-graph
+  activation scales (small) stay inside each graph.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ExportError
+from ..graphs import contract as C
+
+ACTIVATIONS = "uint16"
+WEIGHTS = "int8"
+MASK_VALUE = -100.0  # additive mask of hidden slots in the float graphs this flavour quantizes
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "prompts",
+                               "suite.jsonl")
+DEFAULT_COUNT = 4  # prompts used for calibration
+SAMPLES_PER_GRAPH = 24  # calibration feeds per graph (more only cost time: MinMax ranges settle quickly)
+_STORE_MIN = 1024  # initializers with at least this many elements go to the shared weights file
+
+
+@dataclass
+class Calibration:
+    prompts: str = DEFAULT_PROMPTS
+    count: int = DEFAULT_COUNT
+    samples_per_graph: int = SAMPLES_PER_GRAPH
+
+
+# -- prompts ----------------------------------------------------------------------------------------------
+def load_prompt_ids(path: str, tokenizer, count: int) -> list[list[int]]:
+    """The first `count` prompts of a JSONL file ({"messages"} / {"prompt"} / {"prompt_ids"}), as token ids."""
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise ExportError(f"cannot read the calibration prompts {path}: {e.strerror}") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if len(out) == count:
+            break
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise ExportError(f"{path}:{number}: not a JSON object") from None
+        if isinstance(item, dict) and "prompt_ids" in item:
+            out.append([int(t) for t in item["prompt_ids"]])
+        elif tokenizer is None:
+            raise ExportError("calibration needs the model's tokenizer to read text prompts, and the bundle has none")
+        elif isinstance(item, dict) and "messages" in item:
+            out.append(tokenizer.apply_chat_template(item["messages"]))
+        elif isinstance(item, dict) and "prompt" in item:
+            out.append(tokenizer.encode(item["prompt"]))
+        else:
+            raise ExportError(f"{path}:{number}: needs a 'messages', 'prompt' or 'prompt_ids' field")
+    if not out:
+        raise ExportError(f"{path} holds no prompts to calibrate with")
+    return out
+
+
+# -- recording what each graph receives ---------------------------------------------------------------------
+class _RecordingSession:
+    """A backend session that keeps a copy of its inputs at every run (the past trimmed to its valid slots)."""
+
+    def __init__(self, session, sink: list):
+        self._session = session
+        self._sink = sink
+        self.inputs, self.outputs = session.inputs, session.outputs
+        self._inputs = None
+
+    def bind(self, inputs, outputs):
+        self._inputs = inputs
+        self._session.bind(inputs, outputs)
+
+    def run(self):
+        n = int(self._inputs[C.CACHE_LEN].max())
+        self._sink.append({k: (v[:, :, :n].copy() if k.startswith("past_") else v.copy())
+                           for k, v in self._inputs.items()})
+        self._session.run()
+
+    def close(self):
+        self._session.close()
+
+
+class _RecordingBackend:
+    def __init__(self, backend, samples: dict):
+        self._backend = backend
+        self.samples = samples  # (graph file name) -> [feeds]
+
+    def load(self, graph_path, weights_path, prepack=True, config=None):
+        sink = self.samples.setdefault(os.path.basename(graph_path), [])
+        return _RecordingSession(self._backend.load(graph_path, weights_path, prepack, config), sink)
+
+
+def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, list[dict]]:
+    """Run every model of the float32 bundle over the prompts, teacher-forced, each prompt walking through the
+    cache in turns of every graph; return graph file -> the feeds it received."""
+    from ..graphs.manifest import read_index, weights_index_file
+    from ..runtime.backends.ort_python import OrtBackend
+    from ..runtime.model import ModelRunner
+
+    backend = OrtBackend("ort", None)
+    samples: dict[str, list[dict]] = {}
+    try:
+        for weights in {m.weights for m in manifest.models.values()}:
+            backend.add_weights_file(os.path.join(bundle, weights),
+                                     read_index(os.path.join(bundle, weights_index_file(weights))))
+        for name, entry in manifest.models.items():
+            runner = ModelRunner(name, bundle, entry, _RecordingBackend(backend, samples))  # its own cache
+            turns = sorted({(g.role, g.tokens) for g in entry.graphs}, key=lambda rt: (rt[0] != C.PREFILL, -rt[1]))
+            try:
+                for prompt in prompts:
+                    runner.reset()
+                    pos, turn = 0, 0
+                    while True:
+                        role, T = turns[turn % len(turns)]
+                        if pos + T > len(prompt) or runner.cache.free < T:
+                            break
+                        if role == C.PREFILL:
+                            runner.prefill(prompt[pos:pos + T])
+                        else:
+                            runner.run(prompt[pos:pos + T])
+                        pos, turn = pos + T, turn + 1
+            finally:
+                runner.close()
+    finally:
+        backend.close()
+    return samples
+
+
+def _graph_feeds(graph, dims: C.ModelDims, recorded: dict[str, list[dict]], model_graphs, limit: int) -> list[dict]:
+    """Feeds for one graph: its own recorded runs, else those of the same (role, T) in other buckets that fit,
+    the past zero-padded (or cut: only slots < cache_len + T matter) to this graph's context."""
+    own = recorded.get(os.path.basename(graph.file), [])
+    pool = own or [f for g in model_graphs if (g.role, g.tokens, g.step_mask) == (graph.role, graph.tokens, graph.step_mask)
+                   for f in recorded.get(os.path.basename(g.file), [])
+                   if int(f[C.CACHE_LEN].max()) + graph.tokens <= graph.context]
+    if len(pool) > limit:  # spread over the runs: early and late cache lengths both
+        pool = [pool[i] for i in np.linspace(0, len(pool) - 1, limit).round().astype(int)]
+    out = []
+    for f in pool:
+        feeds = {}
+        for k, v in f.items():
+            if k.startswith("past_"):
+                full = np.zeros((v.shape[0], v.shape[1], graph.context, v.shape[3]), v.dtype)
+                full[:, :, :v.shape[2]] = v
+                v = full
+            feeds[k] = v
+        out.append(feeds)
+    return out
+
+
+# -- quantizing ---------------------------------------------------------------------------------------------
+class _Reader:
+    """onnxruntime's CalibrationDataReader over recorded feeds, read in strides (set_range) to bound memory."""
+
+    def __init__(self, feeds: list[dict]):
+        self._feeds = feeds
+        self._i, self._end = 0, len(feeds)
+
+    def __len__(self):
+        return len(self._feeds)
+
+    def set_range(self, start_index: int, end_index: int):
+        self._i, self._end = start_index, min(end_index, len(self._feeds))
+
+    def get_next(self):
+        if self._i >= self._end:
+            return None
+        self._i += 1
+        return self._feeds[self._i - 1]
+
+
+# Ops that QNN runs on the raw quantized values, whose inputs onnxruntime's quantizer gives scales of their own:
+# the data input, the updates and the output of a ScatterElements must share one scale (measured: updates with
+# their own scale put 0.09 of error into the tiny model's new K/V on the emulated HTP).
+_SHARED_RANGE_OPS = {"ScatterElements": (0, 2)}
+# Ops whose output onnxruntime's quantizer gives its input's scale: an override must go to the first tensor up
+# such a chain, where the scale is decided.
+_PASS_THROUGH = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Split", "Gather",
+                 "GatherElements"}
+
+
+def _shared_ranges(model, ranges) -> dict[str, dict]:
+    """rmin/rmax overrides giving each _SHARED_RANGE_OPS node's inputs and output the union of their ranges."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+
+    def root(t):
+        while t in producer and producer[t].op_type in _PASS_THROUGH:
+            t = producer[t].input[0]
+        return t
+
+    merged: list[set[str]] = []  # a tensor in two groups joins them
+    for node in model.graph.node:
+        if node.op_type in _SHARED_RANGE_OPS:
+            group = {root(node.input[i]) for i in _SHARED_RANGE_OPS[node.op_type]} | {node.output[0]}
+            for other in [m for m in merged if m & group]:
+                group |= other
+                merged.remove(other)
+            merged.append(group)
+    out = {}
+    for group in merged:
+        known = [ranges[t] for t in group if t in ranges]
+        lo, hi = min(r[0] for r in known), max(r[1] for r in known)
+        for t in group:
+            out[t] = [{"rmin": np.array(lo, np.float32), "rmax": np.array(hi, np.float32)}]
+    return out
+
+
+def _calibrate(path: str, feeds: list[dict], scratch: str) -> dict[str, tuple[float, float]]:
+    """MinMax ranges of every tensor of one float32 graph over its feeds (in strides, to bound memory)."""
+    import onnx
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    float_path = os.path.join(scratch, "float.onnx")
+    onnx.save(onnx.load(path), float_path, save_as_external_data=True, location="float.data")
+    calibrator = create_calibrator(float_path, None, augmented_model_path=os.path.join(scratch, "augmented.onnx"),
+                                   calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True)
+    reader = _Reader(feeds)
+    stride = max(d for d in range(1, 9) if len(feeds) % d == 0)
+    for start in range(0, len(feeds), stride):
+        reader.set_range(start, start + stride)
+        calibrator.collect_data(reader)
+    ranges = {name: (float(np.min(d.range_value[0])), float(np.max(d.range_value[1])))
+              for name, d in calibrator.compute_data().items()}
+    del calibrator
+    _clear(scratch)
+    return ranges
+
+
+def _clear(scratch: str) -> None:
+    for name in os.listdir(scratch):
+        os.remove(os.path.join(scratch, name))
+
+
+def _quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: str):
+    """The QDQ model of one float32 graph from tensor ranges, as an in-memory ModelProto."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, save_tensors_data
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # its "consider pre-processing"
+    model = onnx.load(path)  # with its external weights
+    float_path = os.path.join(scratch, "float.onnx")
+    onnx.save(model, float_path, save_as_external_data=True, location="float.data")  # (model keeps no data now)
+    names = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
+    data = TensorsData(CalibrationMethod.MinMax, {
+        n: TensorData(lowest=np.array(lo, np.float32), highest=np.array(hi, np.float32))
+        for n, (lo, hi) in ranges.items() if n in names})
+    cache = os.path.join(scratch, "ranges.json")
+    save_tensors_data(data, cache)
+    inits = {i.name: i for i in model.graph.initializer}
+    overrides = _shared_ranges(model, ranges)
+    # int8 per output channel for every MatMul weight ([in, out]: axis 1); get_qnn_qdq_config would make them
+    # per-tensor (older QNN lacked per-channel MatMul), the emulated HTP runs them.
+    for n in model.graph.node:
+        if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
+            overrides[n.input[1]] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 1}]
+    config = get_qnn_qdq_config(model, None, activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8,
+                                init_overrides=overrides)
+    out = os.path.join(scratch, "q.onnx")
+    quantize_static(float_path, out, None, calibration_cache_path=cache, quant_format=config.quant_format,
+                    activation_type=config.activation_type, weight_type=config.weight_type,
+                    op_types_to_quantize=config.op_types_to_quantize, per_channel=config.per_channel,
+                    use_external_data_format=True, extra_options=config.extra_options)
+    quantized = onnx.load(out)
+    _clear(scratch)
+    return quantized
+
+
+def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=None) -> dict:
+    """Replace the float32 graphs and weights of `bundle` (written by export_bundle) with QDQ ones; returns the
+    calibration record for the manifest."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ..graphs.manifest import weights_index_file, write_index
+    from ..runtime.tokenizer import Tokenizer
+    from .weights import write_weights
+
+    tokenizer = Tokenizer.from_bundle(bundle, manifest)
+    prompts = load_prompt_ids(calibration.prompts, tokenizer, calibration.count)
+    recorded = record_feeds(bundle, manifest, prompts)
+    per_graph = {}
+    stored: dict[str, dict[str, np.ndarray]] = {}  # weights file -> shared initializers
+    models: dict[str, list] = {}  # weights file -> [(graph path, quantized model)]
+    scratch = tempfile.mkdtemp(prefix=".qdq-", dir=bundle)
+    try:
+        for name, entry in manifest.models.items():
+            # One range per tensor name over all graphs of the model: their step graphs have the same nodes under
+            # the same names (build_step_graph same_ops), so a verify row is quantized exactly like a decode step.
+            ranges: dict[str, tuple[float, float]] = {}
+            for graph in entry.graphs:
+                feeds = _graph_feeds(graph, entry.dims, recorded, entry.graphs, calibration.samples_per_graph)
+                if not feeds:
+                    raise ExportError(f"no calibration data reached {graph.file}: the calibration prompts are too "
+                                      f"short for its {graph.tokens}-token steps; use longer prompts")
+                per_graph[graph.file] = len(feeds)
+                for t, (lo, hi) in _calibrate(os.path.join(bundle, graph.file), feeds, scratch).items():
+                    old = ranges.get(t, (lo, hi))
+                    ranges[t] = (min(old[0], lo), max(old[1], hi))
+                if progress:
+                    progress.update(graph.file)
+            for graph in entry.graphs:
+                path = os.path.join(bundle, graph.file)
+                q = _quantize_graph(path, ranges, scratch)
+                shared = stored.setdefault(entry.weights, {})
+                for init in q.graph.initializer:
+                    if int(np.prod(init.dims)) < _STORE_MIN:
+                        continue
+                    value = numpy_helper.to_array(init)
+                    if init.name in shared and not np.array_equal(shared[init.name], value):
+                        continue  # same name, other values: stays inside this graph
+                    shared.setdefault(init.name, value)
+                models.setdefault(entry.weights, []).append((path, q))
+        for weights, graphs in models.items():
+            refs = write_weights(os.path.join(bundle, weights), sorted(stored[weights].items()))
+            write_index(os.path.join(bundle, weights_index_file(weights)), refs)
+            for path, q in graphs:
+                _point_at(q, refs, stored[weights], weights)
+                onnx.save(q, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"prompts": os.path.basename(calibration.prompts), "prompt_count": len(prompts),
+            "method": "minmax", "samples": sum(per_graph.values()), "samples_per_graph": per_graph}
+
+
+def _point_at(model, refs, values: dict[str, np.ndarray], weights_file: str) -> None:
+    """Make the model's shared initializers external data entries into `weights_file` (in place)."""
+    from onnx import TensorProto, numpy_helper
+
+    for init in model.graph.initializer:
+        ref = refs.get(init.name)
+        if ref is None or not np.array_equal(numpy_helper.to_array(init), values[init.name]):
+            continue
+        init.ClearField("raw_data")
+        for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            init.ClearField(field)
+        init.data_location = TensorProto.EXTERNAL
+        del init.external_data[:]
+        for key, value in (("location", weights_file), ("offset", ref.offset), ("length", ref.length)):
+            e = init.external_data.add()
+            e.key, e.value = key, str(value)

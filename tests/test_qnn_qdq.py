@@ -1,0 +1,161 @@
+"""The qnn-qdq16 flavour (`specedge export --for qnn-qdq16`): QDQ graphs with uint16 activations and int8 weights,
+calibrated on real step inputs, run by the Qualcomm HTP emulator of the onnxruntime-qnn wheel.
+
+Where nodes ran is read from onnxruntime's graph-assignment record (as in test_qnn.py). The tiny llama's tokenizer
+is a word list ("t0".."t999") that maps the prompt suite's text to unknown tokens, so its calibration prompts are
+token ids (a JSONL of {"prompt_ids"}): the same kind of random text the tests feed it.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from conftest import CHUNK
+from test_qnn import NEW, _backend_for, _prompt, qnn_cache  # noqa: F401  (qnn_cache: the autouse fixture)
+
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.graphs import contract as C
+from specedge.graphs.manifest import load_manifest, read_index, weights_index_file
+from specedge.runtime.backends.qnn import EP
+from specedge.runtime.generator import Generator
+
+# The tiny llama's logits span about +-0.5; uint16 activations and int8 per-channel weights moved them by 0.009 at
+# most against CPU float32 in the runs that set this bound (every step graph of a model shares its tensors' scales,
+# see export/qdq.py). About twice the measured error, still far below the spread of the logits.
+QDQ_LOGITS_ATOL = 0.02
+
+
+@pytest.fixture(scope="module")
+def calibration_ids(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calibration") / "ids.jsonl"
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(4):
+            head = rng.integers(2, 1000, 40).tolist()
+            f.write(json.dumps({"prompt_ids": head + head}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qdq_bundle(tiny_models, calibration_ids, tmp_path_factory):
+    """The tiny llama in the qnn-qdq16 flavour, with a one-layer draft."""
+    out = str(tmp_path_factory.mktemp("bundles") / "tiny_qnn_qdq16")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                             flavour="qnn-qdq16", calibration_prompts=calibration_ids),
+                  progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_gen(tiny_bundle):
+    g = Generator.load(tiny_bundle)
+    yield g
+    g.close()
+
+
+def test_manifest_records_the_flavour_and_graphs_keep_the_contract(qdq_bundle):
+    manifest = load_manifest(qdq_bundle)
+    assert manifest.export["flavour"] == "qnn-qdq16"
+    record = manifest.export["qnn"]
+    assert record["activations"] == "uint16" and record["weights"].startswith("int8")
+    calibration = record["calibration"]
+    assert calibration["prompts"] == "ids.jsonl" and calibration["prompt_count"] == 4
+    graphs = [g.file for m in manifest.models.values() for g in m.graphs]
+    assert sorted(calibration["samples_per_graph"]) == sorted(graphs)
+    assert all(n > 0 for n in calibration["samples_per_graph"].values())
+    assert calibration["samples"] == sum(calibration["samples_per_graph"].values())
+    for entry in manifest.models.values():
+        assert entry.dims.dtype == "float32"  # the runtime's buffers do not change
+        index = read_index(os.path.join(qdq_bundle, weights_index_file(entry.weights)))
+        assert index["layers.0.qkv_quantized"].dtype == "int8"
+        for graph in entry.graphs:
+            model = onnx.load(os.path.join(qdq_bundle, graph.file), load_external_data=False)
+            scale = next(i for i in model.graph.initializer if i.name == "layers.0.qkv_scale")
+            assert tuple(scale.dims) == (index["layers.0.qkv_quantized"].shape[1],)  # one per output channel
+            want = {s.name: s for s in C.step_inputs(entry.dims, graph.tokens, False, graph.context)}
+            got = {i.name: i for i in model.graph.input}
+            assert set(got) == set(want)
+            for name, spec in want.items():  # float32 / int64 at the boundary, QDQ inside
+                t = got[name].type.tensor_type
+                assert onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name == spec.dtype
+                assert tuple(d.dim_value for d in t.shape.dim) == spec.shape
+            ops = {n.op_type for n in model.graph.node}
+            assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+            assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+
+
+def test_every_node_of_every_graph_runs_on_qnn(qdq_bundle):
+    manifest = load_manifest(qdq_bundle)
+    for name, entry in manifest.models.items():
+        backend, weights = _backend_for(qdq_bundle, name, cache=False)
+        for graph in entry.graphs:
+            backend.load(os.path.join(qdq_bundle, graph.file), weights)
+            record = backend.loads[-1]
+            assert record.all_on_qnn and record.placement[EP] > 100, (graph.file, record.placement)
+        backend.close()
+
+
+def test_logits_close_to_cpu_float32(qdq_bundle, cpu_gen):
+    """Teacher-forced through the runtime, one-token and five-token steps, against the CPU float32 bundle."""
+    gen = Generator.load(qdq_bundle, backend="qnn")
+    try:
+        prompt = _prompt(3, 2 * CHUNK + 3)
+        worst, agree, rows = 0.0, 0, 0
+        for g in (gen, cpu_gen):
+            g.target.reset()
+            g.target.prefill(prompt)
+        for step in ([5], [7, 8, 9, 10, 11], [12]):
+            got = gen.target.run(step).copy()
+            want = cpu_gen.target.run(step)
+            worst = max(worst, float(np.abs(got - want).max()))
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            rows += len(step)
+        print(f"tiny qnn-qdq16 on QNN vs CPU float32: max |logit error| {worst:.4f}, top-1 {agree}/{rows}",
+              file=sys.stderr)
+        assert worst <= QDQ_LOGITS_ATOL, worst
+        assert agree == rows, (agree, rows)
+        assert all(r.all_on_qnn for r in gen.backend.loads)
+    finally:
+        gen.close()
+
+
+def test_greedy_speculative_equals_plain_greedy_on_qnn(qdq_bundle):
+    """ngram and the layer draft, fixed gammas: equal to plain greedy on QNN for the same bundle, with drafts
+    proposed, accepted and rejected."""
+    gen = Generator.load(qdq_bundle, backend="qnn")
+    try:
+        prompts = [_prompt(s) for s in (1, 2)]
+        plains = [gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
+        prompts.append(prompts[0] + plains[0] + prompts[0])  # an echo prompt: the layer draft's drafts get accepted
+        plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
+        for proposer in ("ngram", "draft"):
+            for gamma in (2, 4):
+                proposed = accepted = 0
+                for p, want in zip(prompts, plains):
+                    out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
+                    assert out.tokens == want, (proposer, gamma)
+                    proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
+                assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
+        assert {r.placement.get(EP, 0) > 0 and r.all_on_qnn for r in gen.backend.loads} == {True}
+    finally:
+        gen.close()
+
+
+def test_bad_flavour_options_are_one_line_and_leave_nothing(tiny_models, tmp_path, capsys):
+    from specedge.cli import main
+
+    out = tmp_path / "bundle"
+    assert main(["export", "--target", tiny_models["llama"][0], "--out", str(out), "--for", "qnn-qdq16",
+                 "--quant", "int4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--for qnn-qdq16" in err and "--quant int4" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert os.listdir(tmp_path) == []
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(Exception, match="cannot read the calibration prompts"):
+        export_bundle(tiny_models["llama"][0], str(out), ExportOptions(context=128, prefill_chunk=CHUNK,
+                                                                       flavour="qnn-qdq16", calibration_prompts=missing),
+                      progress=False)
+    assert os.listdir(tmp_path) == []

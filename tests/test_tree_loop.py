@@ -1,0 +1,156 @@
+"""Token trees in the loop: one verify step checks a chain plus alternatives, and greedy output still equals
+plain decode token for token; an accepted node off the first chain lands in the right cache slot."""
+import numpy as np
+import pytest
+from conftest import CHUNK
+
+from specedge.errors import GenerationError
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.runtime.generator import Generator
+from specedge.runtime.proposers import Proposal, ngram_lookup, ngram_tree
+from specedge.runtime.tree import TreeLayout, spine_length, spine_plus_leaves
+
+NEW = 40
+TREES = ((8, 4), (16, 8))  # (tree T, gamma)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    head = rng.integers(2, 1000, (length + 1) // 2).tolist()
+    return (head + head)[:length]
+
+
+@pytest.fixture(scope="module")
+def tree_gens(tiny_models, tiny_near_draft_model, tmp_path_factory):
+    """The tiny llama with a layer draft, and with a separate draft model; both with tree graphs 8 and 16."""
+    root = tmp_path_factory.mktemp("tree_bundles")
+    hf = tiny_models["llama"][0]
+    export_bundle(hf, str(root / "layer"), ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                         tree_sizes=(8, 16)), progress=False)
+    export_bundle(hf, str(root / "pair"), ExportOptions(context=128, prefill_chunk=CHUNK, tree_sizes=(8, 16)),
+                  draft_path=tiny_near_draft_model[0], progress=False)
+    gens = {name: Generator.load(str(root / name)) for name in ("layer", "pair")}
+    yield gens
+    for g in gens.values():
+        g.close()
+
+
+def test_tree_layout_depths_and_visibility():
+    # root -> 0 -> 1 -> 2 (the chain), leaves 3 (beside 0) and 4 (beside 2)
+    layout = TreeLayout.build(7, [10, 11, 12, 13, 14], [0, 1, 2, 0, 2])
+    assert layout.tokens == [7, 10, 11, 12, 13, 14]
+    assert layout.depth.tolist() == [0, 1, 2, 3, 1, 3]
+    assert layout.sees[5].tolist() == [True, True, True, False, False, True]  # root, 0, 1, itself
+    assert layout.sees[4].tolist() == [True, False, False, False, True, False]
+    assert spine_length([0, 1, 2, 0, 2]) == 3 and spine_plus_leaves([0, 1, 2, 0, 2])
+    assert not spine_plus_leaves([0, 1, 0, 3])  # a child of a leaf
+    with pytest.raises(ValueError):
+        TreeLayout.build(7, [1, 2], [0, 2])
+
+
+def test_ngram_tree_spine_is_the_chain_and_leaves_are_other_matches():
+    a, b = 5, 6
+    #           [a b 20 21] ... [a b 30 31] ... [a b 40] ... a b
+    context = np.array([a, b, 20, 21, 7, a, b, 30, 31, 8, a, b, 40, 9, a, b])
+    tokens, parents = ngram_tree(context, 3, 7, 2, 4)
+    assert tokens[:3] == [40, 9, a] and parents[:3] == [0, 1, 2]  # the most recent match, as a chain
+    assert tokens[:3] == ngram_lookup(context, 3, 2, 4)  # the chain proposer's own proposal
+    leaves = list(zip(tokens[3:], parents[3:]))
+    assert (30, 0) in leaves and (20, 0) in leaves  # the older matches' first tokens, beside 40
+    assert spine_plus_leaves(parents) and len(tokens) <= 7
+    tokens, parents = ngram_tree(context, 3, 4, 2, 4)  # the node budget cuts leaves, never the chain
+    assert len(tokens) == 4 and tokens[:3] == [40, 9, a]
+    chained, _ = ngram_tree(np.array([1, 2, 3, 1, 2]), 6, 6, 2, 4)
+    assert chained == [3, 1, 2, 3, 1, 2]  # a continuation that runs into the end is looked up again
+
+
+def few_symbols(length: int, seed: int) -> list[int]:
+    """Random text over 6 symbols: every suffix recurs with several continuations, so prompt lookup finds
+    alternatives to branch on."""
+    return np.random.default_rng(seed).integers(2, 8, length).tolist()
+
+
+@pytest.mark.parametrize("tree,gamma", TREES)
+def test_greedy_tree_speculation_equals_plain_decode(tree_gens, tree, gamma):
+    totals = {}
+    for seed in range(4):
+        prompt = (prompt_of if seed % 2 else few_symbols)(3 * CHUNK + 5, seed=seed)
+        for name, g in tree_gens.items():
+            plain = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+            for proposer in ("ngram", "draft"):
+                out = g.generate(prompt, NEW, proposer=proposer, gamma=gamma, tree=tree, stop_ids=[], adaptive=False)
+                assert out.tokens == plain, (name, proposer, seed)
+                t = totals.setdefault((name, proposer), np.zeros(4, int))
+                t += [out.stats.tree_rounds, out.stats.off_chain_accepted, out.stats.accepted,
+                      out.stats.proposed - out.stats.accepted]
+    for (name, proposer), (rounds, off_chain, accepted, rejected) in totals.items():
+        assert rounds > 0 and accepted > 0 and rejected > 0, (name, proposer)
+        if proposer == "draft":  # the draft's second candidates are accepted now and then
+            assert off_chain > 0, name
+
+
+class TreeScript:
+    """Proposes a spine of the plain output with one token wrong at depth `wrong`, and the right token as
+    a leaf beside it: every round must accept the leaf, so its entries must move to the right slot."""
+
+    name = "ngram"
+
+    def __init__(self, prompt_len: int, reference: list[int], wrong: int, vocab: int):
+        self.prompt_len, self.reference, self.wrong, self.vocab = prompt_len, reference, wrong, vocab
+        self.rounds = 0
+
+    def start(self, prompt, reuse=False):
+        pass
+
+    def propose(self, context, k, sampler):
+        return Proposal([], None)
+
+    def propose_tree(self, context, k, nodes, sampler):
+        done = len(context) - self.prompt_len
+        spine = list(self.reference[done:done + k])
+        if len(spine) <= self.wrong:
+            return Proposal(spine, None)
+        right = spine[self.wrong]
+        spine[self.wrong] = (right + 1) % self.vocab
+        self.rounds += 1
+        return Proposal(spine + [right], None, list(range(len(spine))) + [self.wrong])
+
+    def commit(self, n_accepted, next_token, leaf=None):
+        pass
+
+
+@pytest.mark.parametrize("wrong", [0, 2, 5])
+def test_an_accepted_leaf_is_committed_at_its_depth(tree_gens, wrong):
+    g = tree_gens["layer"]
+    prompt = prompt_of(21, seed=9)
+    reference = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    script = TreeScript(len(prompt), reference, wrong, g.target.dims.vocab_size)
+    g._proposer = lambda name, ngram: script
+    try:
+        out = g.generate(prompt, NEW, proposer="ngram", gamma=8, tree=16, stop_ids=[], adaptive=False)
+    finally:
+        del g._proposer
+    assert out.tokens == reference
+    assert script.rounds > 0 and out.stats.off_chain_accepted == script.rounds
+    # What the cache holds equals a fresh prefill of the committed tokens (entries moved, nothing stale).
+    committed = (prompt + out.tokens)[:-1]
+    keys = [k.copy() for k in g.target.cache.keys]
+    g.target.reset()
+    g.target.prefill(committed)
+    n = len(committed)
+    for got, want in zip(keys, g.target.cache.keys):
+        np.testing.assert_array_equal(got[:, :, :n], want[:, :, :n])
+
+
+def test_tree_options_are_checked(tree_gens, tiny_bundle):
+    g = tree_gens["layer"]
+    with pytest.raises(GenerationError, match="tree 12 has no tree graph"):
+        g.generate([5, 6, 7], 4, proposer="ngram", gamma=4, tree=12)
+    with pytest.raises(GenerationError, match="gamma 8 drafts do not fit a tree of 7 nodes"):
+        g.generate([5, 6, 7], 4, proposer="ngram", gamma=8, tree=8)
+    plain = Generator.load(tiny_bundle)
+    try:
+        with pytest.raises(GenerationError, match="exported trees: none"):
+            plain.generate([5, 6, 7], 4, proposer="ngram", gamma=4, tree=8)
+    finally:
+        plain.close()
