@@ -1,7 +1,8 @@
 """Serving numbers for a bundle: `specedge loadtest` at several concurrencies, and the TTFT of a follow-up
 chat turn with its prefix reused against the same request with nothing to reuse.
 
-    python benchmarks/serve_load.py BUNDLE [--concurrency 1,4,8] [--requests 16] [--max-tokens 64] [--out DIR]
+    python benchmarks/serve_load.py BUNDLE [--batch-bundle BUNDLE_B4] [--concurrency 1,4,8] [--requests 16]
+                                    [--max-tokens 64] [--out DIR]
 
 Two servers run as subprocesses on loopback: A (default: conversations cached) and B (`--session-mb 0`: no
 stored conversation). The loadtests hit B, so a suite prompt seen before is not served from a stored
@@ -93,6 +94,15 @@ def follow_up_ttft(url_reuse: str, url_fresh: str, repeats: int) -> dict:
     return {"prompt": long["id"], "rows": rows, **med, "ratio": med["ttft_reuse_ms"] / med["ttft_fresh_ms"]}
 
 
+def loadtests(url: str, a) -> dict:
+    out = {}
+    for c in (int(x) for x in a.concurrency.split(",")):
+        report = run_loadtest_sync(url, SUITE, concurrency=c, requests=a.requests, max_tokens=a.max_tokens, model="m")
+        print(report.summary(), "\n", flush=True)
+        out[c] = report.to_json(per_request=False)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
@@ -100,6 +110,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-bundle", help="also loadtest this bundle (exported with --batch B: continuous batching)")
     ap.add_argument("--proposer", default="ngram", help="the servers' default proposer (default ngram)")
     ap.add_argument("--gamma", default="8", help="the servers' default gamma (default 8)")
     ap.add_argument("--out", default=os.path.join(HERE, "serve"))
@@ -109,18 +120,20 @@ def main() -> int:
     server_a, url_a = start_server(a.bundle, *spec)
     server_b, url_b = start_server(a.bundle, *spec, "--session-mb", "0")
     try:
-        loads = {}
-        for c in (int(x) for x in a.concurrency.split(",")):
-            report = run_loadtest_sync(url_b, SUITE, concurrency=c, requests=a.requests, max_tokens=a.max_tokens,
-                                       model="m")
-            print(report.summary(), "\n", flush=True)
-            loads[c] = report.to_json(per_request=False)
+        loads = {"serial": loadtests(url_b, a)}
+        if a.batch_bundle:
+            server_c, url_c = start_server(a.batch_bundle, *spec, "--session-mb", "0")
+            try:
+                loads["batch"] = loadtests(url_c, a)
+            finally:
+                server_c.terminate()
+                server_c.wait(timeout=30)
         ttft = follow_up_ttft(url_a, url_b, a.repeats)
         print(f"follow-up turn ({ttft['rows'][0]['prompt_tokens']} prompt tokens, "
               f"{ttft['rows'][0]['cached_tokens']} cached): TTFT {ttft['ttft_reuse_ms']:.0f} ms with reuse, "
               f"{ttft['ttft_fresh_ms']:.0f} ms without ({ttft['ratio']:.2f}x)")
         with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump({"bundle": a.bundle, "proposer": a.proposer, "gamma": a.gamma, "loadtest": loads,
+            json.dump({"bundle": a.bundle, "batch_bundle": a.batch_bundle, "proposer": a.proposer, "gamma": a.gamma, "loadtest": loads,
                        "follow_up": ttft}, f, indent=1)
     finally:
         for proc in (server_a, server_b):

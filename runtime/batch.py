@@ -3,20 +3,28 @@
 Each row keeps the loop's invariant (its cache holds every committed token but its pending one) with its own
 `cache_len` entry, its own proposal, acceptance, draft length and stop; a round feeds row b
 [pending_b, drafts_b...] padded to the step's T, and commits row b by rewriting cache_len[b]. Rows that are
-finished (or missing, when there are fewer prompts than B) are idle: they feed nothing and their cache does
-not move. Prefill fills all rows in the same steps, chunk by chunk.
+free, finished or still prefilling are idle in a verify step: they feed nothing and their cache does not
+move. Prefill runs chunk by chunk for the rows that have prompt left.
+
+`BatchRunner` is that loop one step at a time, with rows that join and leave whenever a caller wants
+(continuous batching: the server admits a request into a free row while the others keep generating);
+`BatchGenerator.generate_batch` runs a fixed set of prompts through it.
 
 Why a row's output equals its batch-1 output: the step graphs compute every row of a step independently,
 and each row bit for bit like a one-token step at its slot (docs/bundle.md, position consistency), so the
 logits a row sees do not depend on the other rows, on the step's T or on the context bucket. Sampling draws
-from a generator per row (seeded seed + b), so a sampled row also repeats its batch-1 run with seed + b, as
-long as no row is near the end of the context (the step's T is bounded by the fullest row).
+from a generator per row (seeded with the row's own seed), so a sampled row also repeats its batch-1 run,
+as long as no row is near the end of the context (the step's T is bounded by the fullest row).
+
+A free row keeps the cache of the last sequence it ran (`history`): a request that continues it keeps that
+prefix and prefills only the rest, as a batch-1 session does (runtime/session.py).
 
 Proposers: `none` and `ngram` (prompt lookup). Draft models are not batched yet.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,13 +35,184 @@ from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength
 from .generator import GenerationResult, check_gamma, check_request
-from .model import ModelRunner
+from .model import ModelRunner, common_prefix
 from .proposers import ngram_lookup
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
 BATCH_PROPOSERS = ("ngram", "none")
+
+
+@dataclass
+class Row:
+    """One sequence in a batch row."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    proposer: str
+    gamma: int
+    params: SamplingParams
+    rng: np.random.Generator
+    stop: set[int]
+    ngram: tuple[int, int]
+    length: DraftLength
+    stats: Stats
+    prefill: list[int]  # prompt tokens still to put in the cache (the last prompt token stays pending)
+    context: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    reason: str = ""  # why it finished ("" while it runs)
+
+
+class BatchRunner:
+    def __init__(self, target: ModelRunner, manifest, eos_ids: list[int]):
+        self.target, self.manifest, self.eos_ids = target, manifest, list(eos_ids)
+        self.batch = target.dims.batch
+        self.rows: list[Row | None] = [None] * self.batch
+        self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
+        self._gammas: set[int] = set()
+
+    # -- rows in and out -----------------------------------------------------------------------------
+    def check(self, prompts: list[list[int]], max_new_tokens: int, proposer: str, gamma: int,
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
+        """Refuse what the rows cannot run (GenerationError); returns the sampling parameters."""
+        try:
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
+        check_request(prompts, self.target.dims, max_new_tokens)
+        if proposer not in BATCH_PROPOSERS:
+            raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
+                                  f"{', '.join(BATCH_PROPOSERS)}")
+        if proposer != "none":
+            check_gamma(self.manifest, gamma)
+        return params
+
+    def free_row(self, prompt: list[int]) -> int | None:
+        """The free row whose cache holds the longest prefix of the prompt (None: every row is busy)."""
+        free = [b for b, r in enumerate(self.rows) if r is None]
+        return max(free, key=lambda b: common_prefix(self.history[b], prompt[:-1]), default=None)
+
+    def admit(self, b: int, prompt: list[int], max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+              stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4), adaptive: bool = True) -> Row:
+        """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
+        prompt = [int(t) for t in prompt]
+        params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
+        if self.rows[b] is not None:
+            raise ValueError(f"row {b} is busy")
+        self._use_gamma(gamma if proposer != "none" else 0)
+        stats = Stats()
+        stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
+        stats.start()
+        keep = common_prefix(self.history[b], prompt[:-1])
+        self.history[b] = []
+        self.target.cache.set_row_length(b, keep)
+        stats.reused_tokens = keep
+        row = Row(prompt, max_new_tokens, proposer, gamma, params, np.random.default_rng(seed),
+                  set(self.eos_ids if stop_ids is None else stop_ids), ngram,
+                  DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=False), stats,
+                  prompt[keep:-1], list(prompt))
+        self.rows[b] = row
+        return row
+
+    def release(self, b: int) -> Row:
+        """Free row b; its cache keeps the sequence's committed tokens for a later request to reuse."""
+        row = self.rows[b]
+        committed = row.context[:-1]
+        n = min(int(self.target.cache.length[b]), len(committed))  # a cut round may have stored more
+        self.target.cache.set_row_length(b, n)
+        self.history[b] = committed[:n]
+        self.rows[b] = None
+        return row
+
+    def finish(self, b: int, reason: str) -> None:
+        row = self.rows[b]
+        if not row.reason:
+            row.reason = reason
+            row.stats.finish(reason)
+
+    @property
+    def active(self) -> list[int]:
+        return [b for b, r in enumerate(self.rows) if r is not None and not r.reason]
+
+    def warm(self, gamma: int) -> None:
+        """Create the sessions a row with this gamma (0: plain decode) runs, before any row does."""
+        self._use_gamma(gamma)
+
+    def _use_gamma(self, gamma: int) -> None:
+        """Load the verify graph a row's gamma needs (T=1 and every gamma seen stay loaded)."""
+        if gamma in self._gammas:
+            return
+        self._gammas.add(gamma)
+        steps = self.target.use_steps(sorted({1} | {g + 1 for g in self._gammas if g}))
+        self.target.warm([(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()] + [(C.STEP, t) for t in steps])
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def prefill_step(self) -> bool:
+        """One prefill chunk for the rows with prompt left; False when none has."""
+        pending = [r.prefill if r is not None and not r.reason else [] for r in self.rows]
+        if not any(pending):
+            return False
+        done = self.target.prefill_chunk(pending)
+        for row, n in zip(self.rows, done):
+            if n:
+                row.prefill = row.prefill[n:]
+                if not row.prefill:
+                    row.stats.prefill_ms = row.stats.ms_since_start()
+        return True
+
+    def decode_step(self) -> dict[int, list[int]]:
+        """One verify step for every running row whose prompt is in the cache; returns the tokens each row
+        committed (after its stop and length cuts). A row that finishes gets its `reason`."""
+        target, capacity = self.target, self.target.cache.capacity
+        ready = [b for b in self.active if not self.rows[b].prefill]
+        steps = target.step_sizes
+        feeds: list[list[int]] = [[] for _ in range(self.batch)]
+        drafts: dict[int, list[int]] = {}
+        for b in ready:
+            row = self.rows[b]
+            free = capacity - int(target.cache.length[b])
+            if free < 1:
+                self.finish(b, "context_full")
+                continue
+            k = min(row.length.next(), row.max_new_tokens - len(row.output) - 1, max(steps) - 1, free - 1)
+            room = capacity - target.cache.used  # a step's T must fit the fullest row too
+            while k > 0 and not any(k + 1 <= t <= room for t in steps):
+                k -= 1
+            drafts[b] = ngram_lookup(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
+            feeds[b] = [row.context[-1]] + drafts[b]
+        if not drafts:
+            return {}
+        bases = {b: int(target.cache.length[b]) for b in drafts}
+        logits = target.run_rows(feeds)
+        committed = {}
+        for b, d in drafts.items():
+            row = self.rows[b]
+            rows_b = logits[b, :len(d) + 1]
+            if row.params.greedy:
+                accepted, token = accept_greedy(np.asarray(d, np.int64), rows_b)
+            else:
+                accepted, token = accept_sampling(np.asarray(d, np.int64), None, probs_from_logits(rows_b, row.params),
+                                                  row.rng)
+            target.cache.set_row_length(b, bases[b] + 1 + accepted)
+            row.length.update(len(d), accepted)
+            new = d[:accepted] + [int(token)]
+            for i, t in enumerate(new):
+                if t in row.stop:
+                    new = new[: i + 1]
+                    self.finish(b, "stop")
+                    break
+                if len(row.output) + i + 1 >= row.max_new_tokens:
+                    new = new[: i + 1]
+                    self.finish(b, "max_new_tokens")
+                    break
+            row.context += new
+            row.output += new
+            row.stats.record_round(len(d), len(new) - 1)
+            row.stats.record_tokens(len(new))
+            committed[b] = new
+        return committed
 
 
 class BatchGenerator:
@@ -43,6 +222,8 @@ class BatchGenerator:
         self.batch = manifest.target.dims.batch
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
+        self.runner = BatchRunner(self.target, manifest, self.eos_ids)
+        self.draft = None  # draft models are not batched
 
     @classmethod
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "BatchGenerator":
@@ -56,95 +237,27 @@ class BatchGenerator:
         self.target.close()
         self.backend.close()
 
-    def _validate(self, prompts, max_new_tokens, proposer, gamma) -> None:
-        if not 1 <= len(prompts) <= self.batch:
-            raise GenerationError(f"{len(prompts)} prompts for a bundle of batch {self.batch} (export with "
-                                  f"--batch N for up to N prompts at once)")
-        check_request(prompts, self.target.dims, max_new_tokens)
-        if proposer not in BATCH_PROPOSERS:
-            raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
-                                  f"{', '.join(BATCH_PROPOSERS)}")
-        if proposer != "none":
-            check_gamma(self.manifest, gamma)
-
     def generate_batch(self, prompts, max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
                        adaptive: bool = True) -> list[GenerationResult]:
-        """Generate for up to B prompts in one batch; returns one GenerationResult per prompt, in order."""
-        try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        except ValueError as e:
-            raise GenerationError(str(e)) from None
+        """Generate for up to B prompts in one batch; returns one GenerationResult per prompt, in order. Row b
+        samples with seed + b."""
+        if not 1 <= len(prompts) <= self.batch:
+            raise GenerationError(f"{len(prompts)} prompts for a bundle of batch {self.batch} (export with "
+                                  f"--batch N for up to N prompts at once)")
         prompts = [[int(t) for t in p] for p in prompts]
-        self._validate(prompts, max_new_tokens, proposer, gamma)
-        stop = set(self.eos_ids if stop_ids is None else stop_ids)
-        n, target = len(prompts), self.target
-        rngs = [np.random.default_rng(None if seed is None else seed + b) for b in range(n)]
-        lengths = [DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=False) for _ in range(n)]
-        stats = [Stats() for _ in range(n)]
-        steps = target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
-        target.warm([(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()] + [(C.STEP, t) for t in steps])
-
-        for b, s in enumerate(stats):
-            s.proposer, s.gamma, s.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompts[b])
-            s.start()
-        target.reset()
-        target.prefill_rows([p[:-1] for p in prompts])
-        for s in stats:
-            s.prefill_ms = s.ms_since_start()
-        contexts = [list(p) for p in prompts]
-        outputs: list[list[int]] = [[] for _ in range(n)]
-        reasons = [""] * n
-        capacity = target.cache.capacity
-        largest = max(steps)
-        while not all(reasons):
-            rows: list[list[int]] = [[] for _ in range(self.batch)]
-            drafts: list[list[int]] = [[] for _ in range(n)]
-            for b in range(n):
-                if reasons[b]:
-                    continue
-                free = capacity - int(target.cache.length[b])
-                if free < 1:
-                    reasons[b] = "context_full"
-                    stats[b].finish(reasons[b])
-                    continue
-                k = min(lengths[b].next(), max_new_tokens - len(outputs[b]) - 1, largest - 1, free - 1)
-                room = capacity - target.cache.used  # a step's T must fit the fullest row too
-                while k > 0 and not any(k + 1 <= t <= room for t in steps):
-                    k -= 1
-                if k > 0:
-                    drafts[b] = ngram_lookup(np.asarray(contexts[b]), k, *ngram)
-                rows[b] = [contexts[b][-1]] + drafts[b]
-            if all(reasons):
-                break
-            bases = [int(x) for x in target.cache.length[:n]]
-            logits = target.run_rows(rows)
-            for b in range(n):
-                if reasons[b]:
-                    continue
-                d = drafts[b]
-                rows_b = logits[b, :len(d) + 1]
-                if params.greedy:
-                    accepted, token = accept_greedy(np.asarray(d, np.int64), rows_b)
-                else:
-                    p = probs_from_logits(rows_b, params)
-                    accepted, token = accept_sampling(np.asarray(d, np.int64), None, p, rngs[b])
-                target.cache.set_row_length(b, bases[b] + 1 + accepted)
-                lengths[b].update(len(d), accepted)
-                new = d[:accepted] + [int(token)]
-                for i, t in enumerate(new):
-                    if t in stop:
-                        new, reasons[b] = new[: i + 1], "stop"
-                        break
-                    if len(outputs[b]) + i + 1 >= max_new_tokens:
-                        new, reasons[b] = new[: i + 1], "max_new_tokens"
-                        break
-                contexts[b] += new
-                outputs[b] += new
-                stats[b].record_round(len(d), len(new) - 1)
-                stats[b].record_tokens(len(new))
-                if reasons[b]:
-                    stats[b].finish(reasons[b])
-        return [GenerationResult(prompts[b], outputs[b], stats[b],
-                                 self.tokenizer.decode(outputs[b]) if self.tokenizer else None) for b in range(n)]
+        runner = self.runner
+        runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p)  # before any row starts
+        runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
+        self.target.reset()
+        for b, p in enumerate(prompts):
+            runner.admit(b, p, max_new_tokens, proposer, gamma, temperature, top_k, top_p,
+                         None if seed is None else seed + b, stop_ids, ngram, adaptive)
+        while runner.prefill_step():
+            pass
+        while runner.active:
+            runner.decode_step()
+        rows = [runner.release(b) for b in range(len(prompts))]
+        return [GenerationResult(r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None)
+                for r in rows]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .engine import Engine, EngineConfig, Event, Job, QueueFull, check_speculation
+from .engine import BatchEngine, Engine, EngineConfig, Event, Job, QueueFull, SerialEngine, check_speculation
 from .protocol import (RequestError, chunk_body, completion_body, error_body, parse_request, usage,
                        usage_chunk)
 
@@ -42,13 +42,20 @@ def load_engine(config: ServerConfig) -> Engine:
     """Load the bundle and start the worker (errors are SpecedgeErrors: the CLI prints them)."""
     from ..runtime.generator import Generator
 
-    gen = Generator.load(config.bundle, backend=config.backend, threads=config.threads)
+    from ..graphs.manifest import load_manifest
+    from ..runtime.batch import BatchGenerator
+
+    batched = load_manifest(config.bundle).target.dims.batch > 1
+    gen = (BatchGenerator if batched else Generator).load(config.bundle, backend=config.backend,
+                                                           threads=config.threads)
     try:
         check_speculation(gen, config.engine.proposer, config.engine.gamma)
-        engine = Engine(gen, config.engine, config.model)
         # Sessions are created on first use; create the default configuration's now, not in a request.
+        if batched:
+            gen.runner.warm(config.engine.gamma if config.engine.proposer != "none" else 0)
+            return BatchEngine(gen, config.engine, config.model)
         gen.warm(config.engine.proposer, config.engine.gamma)
-        return engine
+        return SerialEngine(gen, config.engine, config.model)
     except BaseException:
         gen.close()
         raise

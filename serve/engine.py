@@ -1,10 +1,14 @@
-"""The serving engine: one worker thread owns the generator; requests wait in a bounded queue.
+"""The serving engine: a worker thread owns the generator; requests wait in a bounded queue.
 
-Why one worker: a generator's caches and sessions are single-threaded state, and on a small device one
-sequence already uses every core (onnxruntime's intra-op threads), so running requests one after another
-loses little throughput and can never corrupt a cache. Greedy outputs are therefore the outputs of the same
-requests run one by one, by construction. Conversations are resumed from the SnapshotStore: a follow-up
-turn prefills only what its cache lacks, even when other requests ran in between.
+Two workers, chosen by the bundle:
+* SerialEngine (a batch-1 bundle): one request at a time. A generator's caches are single-threaded state,
+  and on a small device one sequence already uses every core (onnxruntime's intra-op threads), so running
+  requests one after another loses little throughput and can never corrupt a cache. Conversations are
+  resumed from the SnapshotStore: a follow-up turn prefills only what its cache lacks, even when other
+  requests ran in between.
+* BatchEngine (a bundle exported with --batch B): continuous batching over runtime/batch.py's BatchRunner,
+  up to B requests sharing each verify step.
+Either way greedy outputs are the outputs of the same requests run one by one.
 
 The HTTP side (app.py) submits a Job and reads its events from an asyncio queue; the worker publishes
 events with call_soon_threadsafe. A job cancelled by its client (a disconnect) stops at the next round, and
@@ -19,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import GenerationError, SpecedgeError
+from ..runtime.batch import BATCH_PROPOSERS, BatchGenerator
 from ..runtime.generator import Generator, check_gamma
 from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
@@ -62,8 +67,12 @@ class Job:
         self.cancelled.set()
 
 
-def check_speculation(gen: Generator, proposer: str, gamma: int) -> None:
-    """The proposer must exist in the bundle and gamma must have a verify graph (GenerationError if not)."""
+def check_speculation(gen, proposer: str, gamma: int) -> None:
+    """The proposer must exist in the bundle (and run in batches, for a batch bundle) and gamma must have a
+    verify graph (GenerationError if not)."""
+    if isinstance(gen, BatchGenerator) and proposer not in BATCH_PROPOSERS:
+        raise GenerationError(f"proposer {proposer!r} is not available on a batch bundle; use "
+                              f"{' or '.join(BATCH_PROPOSERS)}")
     if proposer == "draft" and gen.draft is None:
         raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
     if proposer != "none":
@@ -75,9 +84,11 @@ class QueueFull(Exception):
 
 
 class Engine:
-    def __init__(self, gen: Generator, config: EngineConfig, model_id: str):
+    """The request side, shared: tokenize and check a request, queue it (bounded). A subclass's worker
+    thread runs the jobs."""
+
+    def __init__(self, gen, config: EngineConfig, model_id: str):
         self.gen, self.config, self.model_id = gen, config, model_id
-        self.store = SnapshotStore(gen, max_bytes=config.session_bytes)
         self.metrics = Metrics()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._pending = 0  # queued + running, bounded by max_queue
@@ -135,7 +146,21 @@ class Engine:
         self._worker.join(timeout=30)
         self.gen.close()
 
-    # -- worker thread ----------------------------------------------------------------------------------
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+
+class SerialEngine(Engine):
+    """Batch-1 bundles: one request at a time on one Generator, conversations resumed from snapshots."""
+
+    def __init__(self, gen: Generator, config: EngineConfig, model_id: str):
+        self.store = SnapshotStore(gen, max_bytes=config.session_bytes)
+        super().__init__(gen, config, model_id)
+
     def _work(self) -> None:
         while True:
             job = self._queue.get()
@@ -155,8 +180,7 @@ class Engine:
                 job.publish(Event("error", text=f"internal error: {type(e).__name__}: {e}", status=500))
             finally:
                 self.metrics.running = 0
-                with self._lock:
-                    self._pending -= 1
+                self._done()
 
     def _run(self, job: Job) -> None:
         req, cfg = job.request, self.config
@@ -191,3 +215,88 @@ class Engine:
             finish = "stop" if stats.stop_reason == "stop" else "length"
         self.metrics.record(stats, time.perf_counter() - job.submitted)
         job.publish(Event("done", finish=finish, stats=stats))
+
+
+class BatchEngine(Engine):
+    """Bundles exported with --batch B: up to B requests generate together, one verify step per round for
+    all of them (continuous batching: a request joins a free row while the others keep going, and leaves
+    when it ends). Each iteration runs one prefill chunk for the rows that joined, then one decode step.
+    A free row keeps its last conversation's cache; a follow-up turn goes to the row holding the longest
+    prefix of it. Greedy outputs equal the requests run one by one (runtime/batch.py)."""
+
+    def _work(self) -> None:
+        runner = self.gen.runner
+        jobs: dict[int, tuple[Job, TextStream | None]] = {}
+        while True:
+            if not self._admit(runner, jobs):
+                return
+            try:
+                self._cancel(runner, jobs)
+                runner.prefill_step()
+                for b, new in runner.decode_step().items():
+                    self._emit(runner, b, new, *jobs[b])
+                for b in [b for b, row in enumerate(runner.rows) if row is not None and row.reason]:
+                    self._finish(runner, b, *jobs.pop(b))
+            except Exception as e:  # a bug: the rows in flight fail, the server keeps serving
+                for b, (job, _) in jobs.items():
+                    self.metrics.count_request("error")
+                    job.publish(Event("error", text=f"internal error: {type(e).__name__}: {e}", status=500))
+                    runner.rows[b] = None
+                    self._done()
+                jobs.clear()
+                runner.history = [[] for _ in runner.rows]
+                self.gen.target.reset()
+            self.metrics.running = len(jobs)
+
+    def _admit(self, runner, jobs) -> bool:
+        """Move queued jobs into free rows (waiting for one when nothing runs). False: shut down."""
+        while len(jobs) < len(runner.rows):
+            try:
+                job = self._queue.get(block=not jobs)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            if job.cancelled.is_set():
+                self.metrics.count_request("cancelled")
+                self._done()
+                continue
+            req, cfg = job.request, self.config
+            b = runner.free_row(job.prompt_ids)
+            try:
+                runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
+                             req.temperature, req.top_k, req.top_p, req.seed)
+            except SpecedgeError as e:
+                self.metrics.count_request("error")
+                job.publish(Event("error", text=str(e), status=400))
+                self._done()
+                continue
+            tok = self.gen.tokenizer
+            jobs[b] = (job, TextStream(tok.decode, req.stop) if tok else None)
+        return True
+
+    def _cancel(self, runner, jobs) -> None:
+        for b, (job, _) in list(jobs.items()):
+            if job.cancelled.is_set():
+                runner.finish(b, "cancelled")
+                runner.release(b)
+                del jobs[b]
+                self.metrics.count_request("cancelled")
+                self._done()
+
+    def _emit(self, runner, b: int, new: list[int], job: Job, text: TextStream | None) -> None:
+        piece = text.push(new) if text else " ".join(map(str, new)) + " "
+        if piece:
+            job.publish(Event("text", piece))
+        if text and text.stopped:
+            runner.finish(b, "stop_string")
+
+    def _finish(self, runner, b: int, job: Job, text: TextStream | None) -> None:
+        row = runner.release(b)
+        rest = text.flush() if text else ""
+        if rest:
+            job.publish(Event("text", rest))
+        finish = "stop" if row.reason in ("stop", "stop_string") else "length"
+        self.metrics.record(row.stats, time.perf_counter() - job.submitted)
+        job.publish(Event("done", finish=finish, stats=row.stats))
+        self._done()

@@ -346,3 +346,92 @@ def test_loadtest_against_the_server_loses_nothing(server, tmp_path):
     assert report["succeeded"] == 10 and report["failed"] == 0 and report["lost"] == 0
     assert not report["tokens_estimated"] and report["completion_tokens"] > 0
     assert report["ttft_ms"]["p50"] <= report["latency_ms"]["p50"]
+
+
+# -- a batch bundle: continuous batching ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def batch_server(tiny_models, tmp_path_factory):
+    from conftest import CHUNK
+
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    bundle = str(tmp_path_factory.mktemp("serve_batch") / "tiny-b4")
+    export_bundle(tiny_models["llama"][0], bundle, ExportOptions(context=128, prefill_chunk=CHUNK, batch=4,
+                                                                 gammas=(4, 8)), progress=False)
+    s = Server(bundle, proposer="ngram", gamma=4, max_tokens=24, max_queue=16)
+    yield s
+    s.close()
+
+
+def test_batch_server_runs_concurrent_requests_together_and_exactly(batch_server, oracle):
+    """8 concurrent requests on a batch-4 bundle: up to 4 share each verify step, rows join as others
+    leave, and every greedy output equals plain batch-1 decode of the same model."""
+    from specedge.serve.engine import BatchEngine
+
+    assert isinstance(batch_server.engine, BatchEngine)
+    prompts = [[{"role": "user", "content": words(60 + i, 15 + 9 * i)}] for i in range(8)]
+    want = [expected(oracle, chat_ids(oracle, m), 24) for m in prompts]
+    runner = batch_server.engine.gen.runner
+    busiest = []
+    real = runner.decode_step
+
+    def counting_step():
+        busiest.append(len([b for b in runner.active if not runner.rows[b].prefill]))
+        return real()
+
+    runner.decode_step = counting_step
+    try:
+        def ask(i):
+            kw = dict(model=MODEL, messages=prompts[i], max_tokens=24, temperature=0,
+                      extra_body={"proposer": ("none", "ngram")[i % 2]})
+            client = batch_server.client()
+            if i % 3 == 0:
+                return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                               if c.choices)
+            return client.chat.completions.create(**kw).choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(ask, range(8)))
+    finally:
+        del runner.decode_step
+    assert got == want
+    assert max(busiest) > 1  # rows really shared verify steps
+
+
+def test_batch_server_follow_up_reuses_its_row_and_stays_exact(batch_server, oracle):
+    client = batch_server.client()
+    history = [{"role": "user", "content": words(70, 50)}]
+    r1 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16, temperature=0)
+    history += [{"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": words(71, 8)}]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=16, temperature=0)
+    assert r2.choices[0].message.content == expected(oracle, chat_ids(oracle, history), 16)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= len(chat_ids(oracle, history[:1])) - 1
+    r = httpx.post(batch_server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "proposer": "draft"})
+    assert r.status_code == 400 and "not available on a batch bundle" in r.json()["error"]["message"]
+
+
+def test_batch_server_disconnect_frees_the_row(batch_server):
+    runner = batch_server.engine.gen.runner
+    real = runner.decode_step
+
+    def slow_step():
+        time.sleep(0.03)
+        return real()
+
+    runner.decode_step = slow_step
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": words(80, 20)}], "max_tokens": 100,
+                "temperature": 0, "stream": True, "proposer": "none"}
+        before = batch_server.metrics()['specedge_requests_total{status="cancelled"}']
+        with httpx.stream("POST", batch_server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            [next(lines) for _ in range(3)]
+        deadline = time.time() + 5
+        while batch_server.metrics()['specedge_requests_total{status="cancelled"}'] == before:
+            assert time.time() < deadline, "the abandoned request kept its row"
+            time.sleep(0.05)
+        assert all(row is None for row in runner.rows) or len(runner.active) == 0
+    finally:
+        del runner.decode_step
