@@ -101,22 +101,29 @@ def test_check_reports_placement_per_graph(qnn_fp16_bundle, tmp_path, capsys):
 
 # -- numbers -------------------------------------------------------------------------------------------------
 
+def teacher_forced(gen, cpu_gen) -> tuple[float, int, int]:
+    """The same prompt and tokens through both generators' targets, one-token and five-token steps: the
+    largest logit difference, the rows whose argmax agrees, and the rows."""
+    prompt = _prompt(3, 2 * CHUNK + 3)
+    worst, agree, rows = 0.0, 0, 0
+    for g in (gen, cpu_gen):
+        g.target.reset()
+        g.target.prefill(prompt)
+    for step in ([5], [7, 8, 9, 10, 11], [12]):
+        got = gen.target.run(step).copy()
+        want = cpu_gen.target.run(step)
+        worst = max(worst, float(np.abs(got - want).max()))
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        rows += len(step)
+    return worst, agree, rows
+
+
 @pytest.mark.parametrize("flavour", ["float32", "qnn-fp16"])
 def test_logits_close_to_cpu_float32(flavour, tiny_bundle, qnn_fp16_bundle, cpu_gen):
     """Teacher-forced through the runtime: the same prompt and tokens on both, one-token and five-token steps."""
     gen = Generator.load(tiny_bundle if flavour == "float32" else qnn_fp16_bundle, backend="qnn")
     try:
-        prompt = _prompt(3, 2 * CHUNK + 3)
-        worst, agree, rows = 0.0, 0, 0
-        for g in (gen, cpu_gen):
-            g.target.reset()
-            g.target.prefill(prompt)
-        for step in ([5], [7, 8, 9, 10, 11], [12]):
-            got = gen.target.run(step).copy()
-            want = cpu_gen.target.run(step)
-            worst = max(worst, float(np.abs(got - want).max()))
-            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-            rows += len(step)
+        worst, agree, rows = teacher_forced(gen, cpu_gen)
         assert worst <= LOGITS_ATOL, worst
         assert agree == rows
     finally:

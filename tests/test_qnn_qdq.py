@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import CHUNK
-from test_qnn import NEW, _backend_for, _prompt, qnn_cache  # noqa: F401  (qnn_cache: the autouse fixture)
+from test_qnn import NEW, _backend_for, _prompt, qnn_cache, teacher_forced  # noqa: F401  (qnn_cache: the autouse fixture)
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -101,17 +101,7 @@ def test_logits_close_to_cpu_float32(qdq_bundle, cpu_gen):
     """Teacher-forced through the runtime, one-token and five-token steps, against the CPU float32 bundle."""
     gen = Generator.load(qdq_bundle, backend="qnn")
     try:
-        prompt = _prompt(3, 2 * CHUNK + 3)
-        worst, agree, rows = 0.0, 0, 0
-        for g in (gen, cpu_gen):
-            g.target.reset()
-            g.target.prefill(prompt)
-        for step in ([5], [7, 8, 9, 10, 11], [12]):
-            got = gen.target.run(step).copy()
-            want = cpu_gen.target.run(step)
-            worst = max(worst, float(np.abs(got - want).max()))
-            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-            rows += len(step)
+        worst, agree, rows = teacher_forced(gen, cpu_gen)
         print(f"tiny qnn-qdq16 on QNN vs CPU float32: max |logit error| {worst:.4f}, top-1 {agree}/{rows}",
               file=sys.stderr)
         assert worst <= QDQ_LOGITS_ATOL, worst
