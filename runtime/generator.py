@@ -26,7 +26,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .tree import TreeLayout, spine_length
 from .tree_acceptance import accept_tree, accept_tree_greedy
 from .backends import create_backend
-from .draft_length import DraftLength
+from .draft_length import DraftLength, TreeChoice
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
 from .proposers import DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
@@ -146,7 +146,8 @@ class Generator:
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
         proposer's chain of up to gamma drafts plus alternatives (runtime/tree.py); a round whose proposer
-        found no alternative verifies its chain as usual.
+        found no alternative verifies its chain as usual. With `adaptive`, rounds use trees only while tree
+        rounds commit more tokens per second than chain rounds (draft_length.TreeChoice).
 
         `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling.
         `reuse` keeps the cached prefix that the last generation (or a restored session) shares with this
@@ -165,6 +166,7 @@ class Generator:
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
         drafter = self._proposer(proposer, ngram)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
+        choice = TreeChoice(adaptive)
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
@@ -188,7 +190,8 @@ class Generator:
                 clean = False
                 t0 = time.perf_counter()
                 k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
-                if tree and k and target.tree_graph_for(tree) is not None:
+                as_tree = bool(tree and k and target.tree_graph_for(tree) is not None and choice.use_tree())
+                if as_tree:
                     proposal = drafter.propose_tree(context, k, tree - 1, sampler)
                 else:
                     proposal = drafter.propose(context, k, sampler)
@@ -219,6 +222,8 @@ class Generator:
                     if emitted + i + 1 >= max_new_tokens:
                         new, reason = new[: i + 1], "max_new_tokens"
                         break
+                if tree and k:  # what this kind of round was worth (proposing and verifying)
+                    choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new
                 emitted += len(new)
                 stats.record_round(len(proposal.tokens), len(new) - 1, depth)

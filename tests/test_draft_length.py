@@ -44,3 +44,25 @@ def test_free_drafts_keep_gamma_but_still_pause():
     d.update(8, 0)
     d.update(8, 0)
     assert [d.next() for _ in range(3)] == [0, 0, 8]
+
+
+def test_tree_choice_follows_tokens_per_second():
+    from specedge.runtime.draft_length import TreeChoice
+
+    fixed = TreeChoice(adaptive=False)
+    assert all(fixed.use_tree() for _ in range(40))
+    choice = TreeChoice(explore=10)
+    assert choice.use_tree() is True  # measure a tree round first
+    choice.update(True, 2, 0.020)  # 100 tokens/s
+    assert choice.use_tree() is False  # then a chain round
+    choice.update(False, 2, 0.010)  # 200 tokens/s: chains are worth more
+    picks = []
+    for _ in range(40):
+        picks.append(choice.use_tree())
+        choice.update(picks[-1], 2, 0.020 if picks[-1] else 0.010)
+    assert 2 <= sum(picks) <= 5  # trees only as the periodic exploration
+    for _ in range(40):  # the text changes: trees now commit 3x the tokens per round at the same cost
+        tree = choice.use_tree()
+        choice.update(tree, 6 if tree else 2, 0.010)
+    picks = [choice.use_tree() for _ in range(20)]
+    assert sum(picks) >= 17
