@@ -80,6 +80,8 @@ def test_greedy_tree_speculation_equals_plain_decode(tree_gens, tree, gamma):
             for proposer in ("ngram", "draft"):
                 out = g.generate(prompt, NEW, proposer=proposer, gamma=gamma, tree=tree, stop_ids=[], adaptive=False)
                 assert out.tokens == plain, (name, proposer, seed)
+                # adaptive: the draft length and the tree-or-chain choice follow past rounds; same output
+                assert g.generate(prompt, NEW, proposer=proposer, gamma=gamma, tree=tree, stop_ids=[]).tokens == plain
                 t = totals.setdefault((name, proposer), np.zeros(4, int))
                 t += [out.stats.tree_rounds, out.stats.off_chain_accepted, out.stats.accepted,
                       out.stats.proposed - out.stats.accepted]
