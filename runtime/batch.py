@@ -101,7 +101,7 @@ class BatchRunner:
         params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is busy")
-        self._use_gamma(gamma if proposer != "none" else 0)
+        self.warm(gamma if proposer != "none" else 0)
         stats = Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         stats.start()
@@ -137,11 +137,8 @@ class BatchRunner:
         return [b for b, r in enumerate(self.rows) if r is not None and not r.reason]
 
     def warm(self, gamma: int) -> None:
-        """Create the sessions a row with this gamma (0: plain decode) runs, before any row does."""
-        self._use_gamma(gamma)
-
-    def _use_gamma(self, gamma: int) -> None:
-        """Load the verify graph a row's gamma needs (T=1 and every gamma seen stay loaded)."""
+        """Load the verify graph a row with this gamma (0: plain decode) needs; T=1 and every gamma seen stay
+        loaded. Admitting a row does it; a server calls it first so that no request waits for it."""
         if gamma in self._gammas:
             return
         self._gammas.add(gamma)

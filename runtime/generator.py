@@ -197,7 +197,7 @@ class Generator:
                     proposal = drafter.propose(context, k, sampler)
                 t1 = time.perf_counter()
                 base = target.cache.used
-                if proposal.parents is None or spine_length(proposal.parents) == len(proposal.tokens):  # a chain
+                if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
                     t2 = time.perf_counter()
                     if params.greedy:

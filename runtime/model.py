@@ -32,9 +32,10 @@ class _Step:
         self.new_keys = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
         self.new_values = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
         inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
-        self.step_mask, self.holds_tree = None, False
-        if graph.step_mask:  # causal unless a tree run fills it: a chain runs in a tree graph too
-            self.step_mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T)).copy()
+        self.step_mask = None
+        if graph.step_mask:  # a tree run fills it; a chain (which runs in a tree graph too) gets `causal`
+            self.causal = np.tril(np.ones((T, T), bool))
+            self.step_mask = np.broadcast_to(self.causal, (B, T, T)).copy()
             inputs[C.STEP_MASK] = self.step_mask
         outputs = {}
         if self.logits is not None:
@@ -55,7 +56,7 @@ class ModelRunner:
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
         self._dir = bundle_dir
         self._backend = backend
-        self._steps: dict[tuple[str, int, int], _Step] = {}
+        self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
@@ -66,7 +67,11 @@ class ModelRunner:
 
     # -- sessions ------------------------------------------------------------------------------------
     def _step(self, role: str, tokens: int, context: int, tree: bool = False) -> _Step:
-        key = (role, tokens, context, tree)
+        """The session of graph (role, T, context), one per graph (the manifest names one graph per key);
+        tree: it must have the step_mask input."""
+        key = (role, tokens, context)
+        if key in self._steps and tree and self._steps[key].step_mask is None:
+            raise ValueError(f"the {role} graph T={tokens} has no step_mask input: it cannot run a tree")
         if key not in self._steps:
             graph = self.entry.graph(role, tokens, context, tree)
             path = os.path.join(self._dir, graph.file)
@@ -150,9 +155,8 @@ class ModelRunner:
             step.position_ids[0, :n] = self.cache.length[0] + tree.depth
             step.step_mask[0] = np.eye(T, dtype=bool)  # padding rows see themselves only
             step.step_mask[0, :n, :n] = tree.sees
-        elif step.holds_tree:  # a tree ran in this graph last: causal again for a chain
-            step.step_mask[:] = np.tril(np.ones((T, T), bool))
-        step.holds_tree = tree is not None
+        elif step.step_mask is not None:  # a tree may have run in this graph last
+            step.step_mask[:] = step.causal
         began = time.perf_counter()
         step.session.run()
         self.graph_seconds += time.perf_counter() - began
@@ -231,13 +235,6 @@ class ModelRunner:
         rows = [list(p[:T]) for p in pending]
         self._execute(role, T, rows)
         return [len(r) for r in rows]
-
-    def prefill_rows(self, prompts: list[list[int]]) -> None:
-        """Fill row b's cache with prompts[b], all rows in the same steps."""
-        pending = [list(p) for p in prompts]
-        while any(pending):
-            done = self.prefill_chunk(pending)
-            pending = [p[n:] for p, n in zip(pending, done)]
 
     def prefill_reusing(self, tokens: list[int]) -> int:
         """Fill the cache with tokens, keeping the longest prefix it already holds (see `history`): a

@@ -90,22 +90,18 @@ class NgramProposer:
         pass
 
 
-def ngram_tree(context: np.ndarray, k: int, nodes: int, n_min: int, n_max: int) -> tuple[list[int], list[int]]:
-    """Prompt lookup with several matches: a spine plus leaves (runtime/tree.py), at most `nodes` nodes.
+def ngram_tree(context: np.ndarray, k: int, nodes: int, n_min: int, n_max: int) -> tuple[list[int], list[int] | None]:
+    """Prompt lookup with several matches: a spine plus leaves (runtime/tree.py), at most `nodes` nodes; the
+    parents are None when no leaf was found (the proposal is a chain).
 
     The spine is the continuation of the most recent occurrence of the longest matching suffix (the chain
     proposal), extended by looking its own end up again when the match ran into the end of the context.
     Every other occurrence of a matching suffix (longest first, most recent first) contributes the token
     where its continuation leaves the spine, as a leaf under the spine node before it: when the spine's
     token there is rejected, the target may still accept that alternative."""
-    length = len(context)
-    starts: list[int] = []
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(context[:length - 1], n)
-        hits = np.flatnonzero((windows == context[length - n:]).all(axis=1))
-        starts += [int(h) + n for h in hits[::-1] if int(h) + n not in starts]
+    starts = list(dict.fromkeys(match_starts(context, n_min, n_max)))  # distinct, in priority order
     if not starts:
-        return [], []
+        return [], None
     spine = context[starts[0]:starts[0] + k].tolist()
     while 0 < len(spine) < k:  # chained lookup: the continuation's own suffix, looked up again
         more = ngram_lookup(np.concatenate([context, np.asarray(spine, context.dtype)]), k - len(spine), n_min, n_max)
@@ -125,21 +121,24 @@ def ngram_tree(context: np.ndarray, k: int, nodes: int, n_min: int, n_max: int) 
         seen.add((d, cont[d]))
         tokens.append(cont[d])
         parents.append(d)  # the child of spine node d-1 (of the root when d = 0)
-    return tokens, parents
+    return tokens, (parents if len(tokens) > len(spine) else None)
 
 
 def ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Continuation (up to k tokens) of the most recent earlier occurrence of the longest matching suffix."""
+    start = next(match_starts(context, n_min, n_max), None)
+    return [] if start is None else context[start:start + k].tolist()
+
+
+def match_starts(context: np.ndarray, n_min: int, n_max: int):
+    """Where the continuations of earlier occurrences of the context's suffix start: suffixes of n_max down to
+    n_min tokens, for each the most recent occurrence first (lazily: a lookup stops at the first)."""
     length = len(context)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = context[length - n:]
         # Candidate starts 0 .. length-n-1: every earlier window, never the suffix itself.
         windows = np.lib.stride_tricks.sliding_window_view(context[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return context[start:start + k].tolist()
-    return []
+        for hit in np.flatnonzero((windows == context[length - n:]).all(axis=1))[::-1]:
+            yield int(hit) + n
 
 
 class DraftModelProposer:

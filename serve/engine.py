@@ -150,6 +150,28 @@ class Engine:
         with self._lock:
             self._pending -= 1
 
+    # -- what both workers send a job -----------------------------------------------------------------------
+    def _text(self, req: CompletionRequest) -> TextStream | None:
+        tok = self.gen.tokenizer
+        return TextStream(tok.decode, req.stop) if tok else None
+
+    @staticmethod
+    def _emit(job: Job, text: TextStream | None, new: list[int]) -> bool:
+        """Publish what a round's tokens add to the text; True when a stop string ended it."""
+        piece = text.push(new) if text else " ".join(map(str, new)) + " "
+        if piece:
+            job.publish(Event("text", piece))
+        return bool(text and text.stopped)
+
+    def _complete(self, job: Job, text: TextStream | None, stats: Stats) -> None:
+        """The rest of the text, the metrics, and the done event of a job that ran to its end."""
+        rest = text.flush() if text else ""
+        if rest:
+            job.publish(Event("text", rest))
+        finish = "stop" if (text and text.stopped) or stats.stop_reason == "stop" else "length"
+        self.metrics.record(stats, time.perf_counter() - job.submitted)
+        job.publish(Event("done", finish=finish, stats=stats))
+
     def _work(self) -> None:
         raise NotImplementedError
 
@@ -184,37 +206,22 @@ class SerialEngine(Engine):
 
     def _run(self, job: Job) -> None:
         req, cfg = job.request, self.config
-        proposer = req.proposer or cfg.proposer
         self.store.prepare(job.prompt_ids)
         stats = Stats()
-        text = TextStream(self.gen.tokenizer.decode, req.stop) if self.gen.tokenizer else None
-        rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=proposer,
+        text = self._text(req)
+        rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=req.proposer or cfg.proposer,
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
                                  top_p=req.top_p, seed=req.seed, stats=stats, reuse=True)
-        finish = None
         try:
             for new in rounds:
-                piece = text.push(new) if text else " ".join(map(str, new)) + " "
-                if piece:
-                    job.publish(Event("text", piece))
-                if text and text.stopped:
-                    finish = "stop"
-                    break
-                if job.cancelled.is_set():
+                if self._emit(job, text, new) or job.cancelled.is_set():
                     break
         finally:
             rounds.close()  # ends the generation cleanly: its cache stays reusable
         if job.cancelled.is_set():
             self.metrics.count_request("cancelled")
             return
-        if text:
-            rest = text.flush()
-            if rest:
-                job.publish(Event("text", rest))
-        if finish is None:
-            finish = "stop" if stats.stop_reason == "stop" else "length"
-        self.metrics.record(stats, time.perf_counter() - job.submitted)
-        job.publish(Event("done", finish=finish, stats=stats))
+        self._complete(job, text, stats)
 
 
 class BatchEngine(Engine):
@@ -234,9 +241,12 @@ class BatchEngine(Engine):
                 self._cancel(runner, jobs)
                 runner.prefill_step()
                 for b, new in runner.decode_step().items():
-                    self._emit(runner, b, new, *jobs[b])
+                    if self._emit(*jobs[b], new):
+                        runner.finish(b, "stop_string")
                 for b in [b for b, row in enumerate(runner.rows) if row is not None and row.reason]:
-                    self._finish(runner, b, *jobs.pop(b))
+                    job, text = jobs.pop(b)
+                    self._complete(job, text, runner.release(b).stats)
+                    self._done()
             except Exception as e:  # a bug: the rows in flight fail, the server keeps serving
                 for b, (job, _) in jobs.items():
                     self.metrics.count_request("error")
@@ -271,8 +281,7 @@ class BatchEngine(Engine):
                 job.publish(Event("error", text=str(e), status=400))
                 self._done()
                 continue
-            tok = self.gen.tokenizer
-            jobs[b] = (job, TextStream(tok.decode, req.stop) if tok else None)
+            jobs[b] = (job, self._text(req))
         return True
 
     def _cancel(self, runner, jobs) -> None:
@@ -283,20 +292,3 @@ class BatchEngine(Engine):
                 del jobs[b]
                 self.metrics.count_request("cancelled")
                 self._done()
-
-    def _emit(self, runner, b: int, new: list[int], job: Job, text: TextStream | None) -> None:
-        piece = text.push(new) if text else " ".join(map(str, new)) + " "
-        if piece:
-            job.publish(Event("text", piece))
-        if text and text.stopped:
-            runner.finish(b, "stop_string")
-
-    def _finish(self, runner, b: int, job: Job, text: TextStream | None) -> None:
-        row = runner.release(b)
-        rest = text.flush() if text else ""
-        if rest:
-            job.publish(Event("text", rest))
-        finish = "stop" if row.reason in ("stop", "stop_string") else "length"
-        self.metrics.record(row.stats, time.perf_counter() - job.submitted)
-        job.publish(Event("done", finish=finish, stats=row.stats))
-        self._done()

@@ -138,25 +138,32 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(tiny_bundle, cpu_gen):
     did on these prompts)."""
     gen = Generator.load(tiny_bundle, backend="qnn")
     try:
-        prompts = [_prompt(s) for s in (1, 2)]
-        plains = [gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
-        cpu = [cpu_gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
-        assert plains == cpu
-        # An echo prompt (a prompt, its greedy continuation, the prompt again) gives the layer draft text the
-        # target repeats, so that some of its drafts are accepted.
-        prompts.append(prompts[0] + plains[0] + prompts[0])
-        plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
-        for proposer in ("ngram", "draft"):
-            for gamma in (2, 4):
-                proposed = accepted = 0
-                for p, want in zip(prompts, plains):
-                    out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
-                    assert out.tokens == want, (proposer, gamma)
-                    proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
-                assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
-        assert {r.placement.get(EP, 0) > 0 and r.all_on_qnn for r in gen.backend.loads} == {True}
+        plains = assert_speculation_equals_plain_on_qnn(gen)
+        cpu = [cpu_gen.generate(_prompt(s), NEW, proposer="none", stop_ids=[]).tokens for s in (1, 2)]
+        assert plains[:2] == cpu
     finally:
         gen.close()
+
+
+def assert_speculation_equals_plain_on_qnn(gen) -> list[list[int]]:
+    """ngram and the layer draft at gammas 2 and 4 equal plain greedy on QNN for three prompts, with drafts
+    proposed, accepted and rejected, and every graph fully on QNN; returns the plain outputs."""
+    prompts = [_prompt(s) for s in (1, 2)]
+    plains = [gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
+    # An echo prompt (a prompt, its greedy continuation, the prompt again) gives the layer draft text the
+    # target repeats, so that some of its drafts are accepted.
+    prompts.append(prompts[0] + plains[0] + prompts[0])
+    plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
+    for proposer in ("ngram", "draft"):
+        for gamma in (2, 4):
+            proposed = accepted = 0
+            for p, want in zip(prompts, plains):
+                out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
+                assert out.tokens == want, (proposer, gamma)
+                proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
+            assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
+    assert {r.placement.get(EP, 0) > 0 and r.all_on_qnn for r in gen.backend.loads} == {True}
+    return plains
 
 
 # -- context binaries ----------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import numpy as np
 import onnx
 import pytest
 from conftest import CHUNK
-from test_qnn import NEW, _backend_for, _prompt, qnn_cache, teacher_forced  # noqa: F401  (qnn_cache: the autouse fixture)
+from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, qnn_cache,  # noqa: F401
+                      teacher_forced)  # (qnn_cache: the autouse fixture)
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -116,19 +117,7 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(qdq_bundle):
     proposed, accepted and rejected."""
     gen = Generator.load(qdq_bundle, backend="qnn")
     try:
-        prompts = [_prompt(s) for s in (1, 2)]
-        plains = [gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
-        prompts.append(prompts[0] + plains[0] + prompts[0])  # an echo prompt: the layer draft's drafts get accepted
-        plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
-        for proposer in ("ngram", "draft"):
-            for gamma in (2, 4):
-                proposed = accepted = 0
-                for p, want in zip(prompts, plains):
-                    out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
-                    assert out.tokens == want, (proposer, gamma)
-                    proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
-                assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
-        assert {r.placement.get(EP, 0) > 0 and r.all_on_qnn for r in gen.backend.loads} == {True}
+        assert_speculation_equals_plain_on_qnn(gen)
     finally:
         gen.close()
 
