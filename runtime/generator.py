@@ -111,20 +111,23 @@ class Generator:
             return NgramProposer(*ngram)
         return NoProposer()
 
-    def warm(self, proposer: str, gamma: int, tree: int = 0) -> None:
+    def warm(self, proposer: str, gamma: int, tree: int = 0, tokens: int | None = None) -> None:
         """Choose and create the sessions this run uses, so a broken graph fails before any output and no
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
-        (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. Sessions are
-        kept."""
+        (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. `tokens`:
+        prompt plus new tokens, when known: only the context buckets such a run can reach get sessions (the
+        widest step or prefill graph is added, as a step's padding rows need slots too). Sessions are kept."""
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
         trees = self.target.use_trees([tree] if tree and proposer != "none" else [])
-        self.target.warm(prefill + [(C.STEP, t) for t in steps], trees)
+        widest = max([t for _, t in prefill] + steps + trees)
+        reach = None if tokens is None else tokens + widest
+        self.target.warm(prefill + [(C.STEP, t) for t in steps], trees, reach=reach)
         if proposer == "draft" and self.draft_shares_cache:
-            self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])  # no prefill, no catch-up
+            self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])], reach=reach)  # no prefill, no catch-up
         elif proposer == "draft":
             prefill = [(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
-            self.draft.warm(prefill + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
+            self.draft.warm(prefill + [(C.STEP, t) for t in self.draft.use_steps([1, 2])], reach=reach)
         if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
             self.backend.release_raw_weights()  # new sessions packed their weights: the raw pages can go
             self._sessions_seen = (self.target.sessions, self.draft.sessions if self.draft else 0)
@@ -170,7 +173,7 @@ class Generator:
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
-        self.warm(proposer, gamma, tree)
+        self.warm(proposer, gamma, tree, tokens=len(prompt) + max_new_tokens)
         stats.start()
         if not reuse:
             target.reset()

@@ -92,10 +92,16 @@ class ModelRunner:
     def sessions(self) -> int:
         return len(self._steps)
 
-    def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = ()) -> None:
-        """Create (and validate) the sessions a run will need, in every bucket, before it produces output."""
+    def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = (), reach: int | None = None) -> None:
+        """Create (and validate) the sessions a run will need before it produces output: in every bucket up to
+        the first one that holds `reach` cache slots (every bucket when None). Each session holds memory of its
+        own (onnxruntime's copies of a quantized graph's scales, the optimizer's graph), so a short generation
+        does not load the graphs of buckets it cannot reach; a run that outgrows `reach` still gets them, then."""
+        buckets = self.entry.buckets()
+        if reach is not None:
+            buckets = buckets[:next((i + 1 for i, b in enumerate(buckets) if b >= reach), len(buckets))]
         for role, tokens, tree in [(r, t, False) for r, t in roles_tokens] + [(C.STEP, t, True) for t in trees]:
-            for context in self.entry.buckets():
+            for context in buckets:
                 if self.entry.graph(role, tokens, context, tree):
                     self._step(role, tokens, context, tree)
 

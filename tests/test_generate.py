@@ -199,6 +199,28 @@ def test_context_buckets_change_nothing(gen, tiny_models, tmp_path):
     g.close()
 
 
+def test_sessions_only_for_the_buckets_a_run_can_reach(gen, tiny_models, tmp_path):
+    """A short run loads the graphs of the first bucket only (each session costs memory); a longer run on the
+    same generator loads the next buckets before its first token, and both give plain decode's tokens."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "buckets")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK,
+                                                              context_buckets=(32, 64)), progress=False)
+    g = Generator.load(out)
+    contexts = lambda: sorted({context for _, _, context in g.target._steps})  # noqa: E731
+    short, long = prompt_of(3, seed=5), prompt_of(2 * CHUNK + 3, seed=6)
+    # 3 prompt tokens + 8 new + the widest graph (the 16-token prefill chunk) fit in 32 slots
+    assert g.generate(short, 8, proposer="ngram", gamma=2, stop_ids=[]).tokens == \
+        gen.generate(short, 8, proposer="none", stop_ids=[]).tokens
+    assert contexts() == [32]
+    sessions = g.target.sessions
+    out_long = g.generate(long, 40, proposer="ngram", gamma=2, stop_ids=[])
+    assert out_long.tokens == gen.generate(long, 40, proposer="none", stop_ids=[]).tokens
+    assert contexts() == [32, 64, 128] and g.target.sessions > sessions
+    g.close()
+
+
 def test_python_api_backend_gives_the_same_tokens(tiny_bundle, gen):
     """The `ort` backend (onnxruntime's Python API) runs the same loop; greedy output is the same."""
     prompt = prompt_of(2 * CHUNK + 3, 5)

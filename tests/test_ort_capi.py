@@ -106,7 +106,7 @@ def model(tmp_path_factory):
     _step_model(str(d / "step_sym.onnx"), "T", w, where, "weights.bin")
     mm = np.memmap(d / "weights.bin", dtype=np.uint8, mode="r")
     views = {n: mm[o:o + n_].view(w[n].dtype).reshape(w[n].shape) for n, (o, n_) in where.items()}
-    return {"dir": d, "w": w, "views": views, "path": lambda T: str(d / f"step_{T}.onnx")}
+    return {"dir": d, "w": w, "views": views, "where": where, "path": lambda T: str(d / f"step_{T}.onnx")}
 
 
 def _buffers(T: int, seed: int = 1):
@@ -334,3 +334,46 @@ def test_version():
 
     assert oc._api().version == version("onnxruntime")
     assert os.path.exists(oc._library_path())
+
+
+def _resident_kb(address: int) -> int:
+    """Resident kB of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_sessions_created_while_pages_are_dropped_compute_the_same(model):
+    """DroppingPages drops the weights file's resident pages while onnxruntime reads them to prepack: the
+    pages fault back in with the same bytes, so the session computes bit for bit what an undisturbed one
+    does, and afterwards none of the file is resident."""
+    import mmap
+
+    from specedge.runtime.backends import DroppingPages
+
+    path = str(model["dir"] / "weights.bin")
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    views = {n: np.ndarray(a.shape, a.dtype, buffer=mapped, offset=model["where"][n][0]) for n, a in model["w"].items()}
+    outputs = []
+    for dropping in (False, True):
+        ids, x, y, h = _buffers(8, seed=3)
+        with oc.Env(threads=1) as env:
+            env.add_weights(views)
+            if dropping:
+                with DroppingPages([mapped], interval=1e-4):
+                    s = env.create_session(model["path"](8))
+                assert _resident_kb(np.frombuffer(mapped, np.uint8).ctypes.data) == 0
+            else:
+                s = env.create_session(model["path"](8))
+            s.bind({"ids": ids, "x": x}, {"y": y, "h": h})
+            s.run()
+            outputs.append((y.copy(), h.copy()))
+    assert all(np.array_equal(a, b) for a, b in zip(*outputs))

@@ -75,6 +75,40 @@ def release_pages(maps: list[mmap.mmap]) -> None:
             m.madvise(mmap.MADV_DONTNEED)
 
 
+class DroppingPages:
+    """While a session is created, drop the weights files' resident pages every `interval` seconds.
+
+    onnxruntime reads the raw weights once, to prepack (or, for a quantized graph, to transpose) them into
+    memory it owns. Without this the whole raw file is resident next to that copy until the last session
+    exists: a float32 model peaked at about twice its size. The mappings are read-only and file-backed, so a
+    dropped page that onnxruntime is still reading faults back in from the page cache with the same bytes:
+    dropping is always safe, it only bounds how many raw pages are resident at once. The session call runs
+    without the GIL (ctypes), so a thread can do this concurrently."""
+
+    def __init__(self, maps: list[mmap.mmap], interval: float = 0.02):
+        import threading
+
+        self._maps, self._interval = maps, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="specedge-drop-pages", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            release_pages(self._maps)
+
+    def __enter__(self) -> "DroppingPages":
+        if self._maps and hasattr(mmap, "MADV_DONTNEED"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        release_pages(self._maps)
+        trim_heap()  # the optimizer's scratch, freed but still mapped: measured ~30 MB per quantized session
+
+
 def trim_heap() -> None:
     """Return freed heap memory to the OS (glibc malloc_trim). Creating a session frees a lot of graph-
     optimization scratch that glibc would otherwise keep mapped; measured: 18 sessions, -37 MB RSS."""

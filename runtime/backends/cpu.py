@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
-from . import map_weights, release_pages, trim_heap, ort_capi
+from . import DroppingPages, map_weights, release_pages, trim_heap, ort_capi
 
 
 class CapiBackend:
@@ -34,7 +34,8 @@ class CapiBackend:
     def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
         """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry)."""
         try:
-            return self._envs[weights_path].create_session(graph_path, prepack=prepack, config=config)
+            with DroppingPages(self._maps):
+                return self._envs[weights_path].create_session(graph_path, prepack=prepack, config=config)
         except ort_capi.CapiError as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
 
