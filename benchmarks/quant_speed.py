@@ -48,7 +48,8 @@ def main() -> None:
     gens = [Generator.load(b, threads=a.threads) for b in a.bundles]
     items = [json.loads(line) for line in open(a.prompts)][: a.limit]
     prompts = [gens[0].tokenizer.apply_chat_template(item["messages"]) for item in items]
-    for gen in gens:  # sessions created and warm before timing
+    for gen in gens:  # sessions of every bucket created and warm before timing (a run loads what it can reach)
+        gen.warm("none", 0)
         gen.generate(prompts[0], 8, proposer="none", stop_ids=[])
     rates = {n: [] for n in names}
     for ids in prompts:

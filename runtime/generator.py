@@ -111,23 +111,30 @@ class Generator:
             return NgramProposer(*ngram)
         return NoProposer()
 
-    def warm(self, proposer: str, gamma: int, tree: int = 0, tokens: int | None = None) -> None:
+    def warm(self, proposer: str, gamma: int, tree: int = 0, prompt: int | None = None, new: int = 0) -> None:
         """Choose and create the sessions this run uses, so a broken graph fails before any output and no
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
-        (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. `tokens`:
-        prompt plus new tokens, when known: only the context buckets such a run can reach get sessions (the
-        widest step or prefill graph is added, as a step's padding rows need slots too). Sessions are kept."""
+        (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. With the
+        `prompt` length (and `new` tokens) known, only the context buckets the run can reach get sessions:
+        prefill graphs up to the prompt, step graphs from the prompt to its end (a graph's padding rows need
+        slots too, so its width is added). Sessions are kept."""
+        def runner_warm(runner, prefill, steps, trees=()):
+            if prompt is None:
+                runner.warm(prefill + steps, trees)
+                return
+            widest = max([t for _, t in steps] + list(trees))
+            runner.warm(prefill, reach=runner.prefill_reach(prompt - 1))
+            runner.warm(steps, trees, start=prompt - 1, reach=prompt + new + widest)
+
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))
         trees = self.target.use_trees([tree] if tree and proposer != "none" else [])
-        widest = max([t for _, t in prefill] + steps + trees)
-        reach = None if tokens is None else tokens + widest
-        self.target.warm(prefill + [(C.STEP, t) for t in steps], trees, reach=reach)
+        runner_warm(self.target, prefill, [(C.STEP, t) for t in steps], trees)
         if proposer == "draft" and self.draft_shares_cache:
-            self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])], reach=reach)  # no prefill, no catch-up
+            runner_warm(self.draft, [], [(C.STEP, t) for t in self.draft.use_steps([1])])  # no prefill, no catch-up
         elif proposer == "draft":
             prefill = [(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
-            self.draft.warm(prefill + [(C.STEP, t) for t in self.draft.use_steps([1, 2])], reach=reach)
+            runner_warm(self.draft, prefill, [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
         if (self.target.sessions, self.draft.sessions if self.draft else 0) != self._sessions_seen:
             self.backend.release_raw_weights()  # new sessions packed their weights: the raw pages can go
             self._sessions_seen = (self.target.sessions, self.draft.sessions if self.draft else 0)
@@ -173,7 +180,7 @@ class Generator:
         target = self.target
         graph_before = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
 
-        self.warm(proposer, gamma, tree, tokens=len(prompt) + max_new_tokens)
+        self.warm(proposer, gamma, tree, prompt=len(prompt), new=max_new_tokens)
         stats.start()
         if not reuse:
             target.reset()

@@ -92,14 +92,17 @@ class ModelRunner:
     def sessions(self) -> int:
         return len(self._steps)
 
-    def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = (), reach: int | None = None) -> None:
-        """Create (and validate) the sessions a run will need before it produces output: in every bucket up to
-        the first one that holds `reach` cache slots (every bucket when None). Each session holds memory of its
-        own (onnxruntime's copies of a quantized graph's scales, the optimizer's graph), so a short generation
-        does not load the graphs of buckets it cannot reach; a run that outgrows `reach` still gets them, then."""
+    def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = (), reach: int | None = None,
+             start: int = 0) -> None:
+        """Create (and validate) the sessions a run will need before it produces output: in the buckets from the
+        one that holds `start` cache slots to the one that holds `reach` (every bucket when None). Each session
+        holds memory of its own (onnxruntime's copies of a quantized graph's scales, the optimizer's graph), so
+        a run does not load the graphs of buckets it cannot reach; one that does reach them still gets them."""
         buckets = self.entry.buckets()
         if reach is not None:
-            buckets = buckets[:next((i + 1 for i, b in enumerate(buckets) if b >= reach), len(buckets))]
+            first = next((i for i, b in enumerate(buckets) if b >= start), len(buckets) - 1)
+            last = next((i for i, b in enumerate(buckets) if b >= reach), len(buckets) - 1)
+            buckets = buckets[first:last + 1]
         for role, tokens, tree in [(r, t, False) for r, t in roles_tokens] + [(C.STEP, t, True) for t in trees]:
             for context in buckets:
                 if self.entry.graph(role, tokens, context, tree):
@@ -121,10 +124,10 @@ class ModelRunner:
         """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
         return _smallest_fit(self._step_sizes, n, self.cache.free)
 
-    def _prefill_plan(self, remaining: int) -> tuple[str, int]:
+    def _prefill_plan(self, remaining: int, free: int | None = None) -> tuple[str, int]:
         """Full prefill chunks first; a tail goes through the smallest graph that holds it (a half-size
         prefill graph, or a step graph, whose LM head is cheap at a few rows), padding the rest."""
-        free = self.cache.free
+        free = self.cache.free if free is None else free
         sizes = [(t, C.PREFILL) for t in self.entry.prefill_tokens() if t <= free]
         sizes += [(t, C.STEP) for t in self._step_sizes if t <= free]
         if not sizes:
@@ -213,6 +216,15 @@ class ModelRunner:
             if node + 1 != depth:
                 self.cache.move_entry(base + 1 + node, base + depth)
         self.cache.set_length(base + 1 + len(path))
+
+    def prefill_reach(self, n: int) -> int:
+        """The cache slots a prefill of n tokens into an empty cache spans, its last graph's padding included."""
+        done = reach = 0
+        while done < n:
+            _, T = self._prefill_plan(n - done, self.cache.capacity - done)
+            reach = max(reach, done + T)
+            done += min(T, n - done)
+        return reach
 
     def prefill(self, tokens) -> None:
         """Fill the cache with tokens in the fewest graph runs; no logits are kept."""

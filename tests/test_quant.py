@@ -194,6 +194,79 @@ def test_onnxruntime_runs_every_weight_product_as_matmulnbits(quant_bundles, tmp
         assert all(n.input[0] in gathered for n in nodes if n.op_type == "DequantizeLinear")
 
 
+def _files(root) -> dict[str, int]:
+    return {os.path.relpath(os.path.join(d, f), root): os.path.getmtime(os.path.join(d, f))
+            for d, _, fs in os.walk(root) for f in fs}
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_optimized_graph_cache_computes_bit_for_bit_the_same(quant_bundles, tmp_path, monkeypatch, mode):
+    """Quantized graphs load through the optimized-graph cache (runtime/backends/ort_cache.py): onnxruntime's
+    MatMulNBits graph made once and its transformed weights shared by every session. The logits of every
+    step must equal those of sessions that optimize the bundle's graph themselves, and a second process-like
+    load must reuse the entry without writing anything."""
+    from specedge.runtime.backends import ort_cache
+
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
+    bundle = quant_bundles["qwen3", mode]  # qk-norm and untied head: the most node kinds
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, 100, n)) for n in (5, 21, 40)]
+
+    def run(cached: bool):
+        monkeypatch.setenv("SPECEDGE_ORT_CACHE", "1" if cached else "0")
+        gen = Generator.load(bundle)
+        out = []
+        for p in prompts:
+            out.append(gen.generate(p, 12, proposer="none", stop_ids=[]).tokens)
+            out.append(gen.generate(p, 12, proposer="ngram", gamma=4, stop_ids=[]).tokens)
+            out.append(gen.target.run([7, 8, 9]).copy())  # logits of a 3-token verify step after the run
+        sessions = [s.session for s in gen.target._steps.values()]
+        gen.close()
+        return out, sessions
+
+    reference, _ = run(cached=False)
+    assert not os.path.exists(tmp_path / "cache" / "ort")
+    cached, _ = run(cached=True)
+    for a, b in zip(reference, cached):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    root = tmp_path / "cache" / "ort"
+    (model_dir,) = os.listdir(root)  # one entry per weights file and config
+    files = _files(root)
+    graphs = [f for f in files if f.endswith(".onnx")]
+    assert graphs and all(f.startswith(model_dir) for f in files)
+    # the cached graphs run MatMulNBits and read no DequantizeLinear'd weight at run time
+    ops = [n.op_type for g in graphs for n in onnx.load(os.path.join(root, g), load_external_data=False).graph.node]
+    assert "MatMulNBits" in ops and "MatMul" in ops
+    again, _ = run(cached=True)
+    assert _files(root) == files  # reused: nothing new written, nothing rewritten
+    for a, b in zip(reference, again):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # another weights file never meets this entry
+    other = ort_cache.OptimizedGraphs(str(root)).model_dir(
+        os.path.join(quant_bundles["llama", mode], "target.weights.bin"), load_manifest(bundle).target.session_config)
+    assert os.path.basename(other) != model_dir
+
+
+def test_an_unwritable_optimized_graph_cache_still_runs(quant_bundles, tmp_path, monkeypatch, capsys):
+    """A read-only device (here: a cache path under a regular file) gets one line on stderr and sessions that
+    optimize the graphs themselves, with the same tokens."""
+    bundle = quant_bundles["llama", "int4"]
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECEDGE_CACHE", str(blocker / "cache"))
+    prompt = [5, 9, 11, 4]
+    gen = Generator.load(bundle)
+    cached_off = gen.generate(prompt, 10, proposer="ngram", gamma=4, stop_ids=[]).tokens
+    gen.close()
+    err = capsys.readouterr().err
+    assert err.count("no optimized-graph cache") == 1 and "SPECEDGE_CACHE" in err
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
+    gen = Generator.load(bundle)
+    assert gen.generate(prompt, 10, proposer="ngram", gamma=4, stop_ids=[]).tokens == cached_off
+    assert os.listdir(tmp_path / "cache" / "ort")
+    gen.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_graphs_match_dequantized_oracle(quant_bundles, tiny_models, family, mode):

@@ -6,9 +6,15 @@ the target costs nothing extra.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
+from ...graphs.quant import ORT_SESSION_CONFIG
 from . import DroppingPages, map_weights, release_pages, trim_heap, ort_capi
+
+QUANT_KEY = next(iter(ORT_SESSION_CONFIG))  # the MatMulNBits accuracy level: the graph is a quantized one
 
 
 class CapiBackend:
@@ -18,6 +24,9 @@ class CapiBackend:
         self.threads = threads
         self._envs: dict[str, ort_capi.Env] = {}  # one Env (weights + packed-weights container) per weights file
         self._maps = []
+        self._cache = None  # ort_cache.OptimizedGraphs, made on the first quantized graph
+        self._names: dict[str, set[str]] = {}  # weights file -> the names of its tensors
+        self._warned = False
 
     def add_weights_file(self, path: str, index: dict[str, WeightRef]) -> None:
         if path in self._envs:
@@ -30,14 +39,44 @@ class CapiBackend:
             raise BackendError(f"onnxruntime C API: {e}") from None
         self._maps.append(mapped)
         self._envs[path] = env
+        self._names[path] = set(index)
 
     def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
-        """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry)."""
+        """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry). A
+        quantized graph (its config sets the MatMulNBits accuracy level) loads through the optimized-graph
+        cache (ort_cache.py) unless SPECEDGE_ORT_CACHE=0."""
+        env = self._envs[weights_path]
+        level = "all"
         try:
+            if config and QUANT_KEY in config and os.environ.get("SPECEDGE_ORT_CACHE", "1") != "0":
+                optimized = self._optimized_graph(env, graph_path, weights_path, config)
+                if optimized != graph_path:  # what onnxruntime's optimizer made of it already
+                    graph_path, level = optimized, "disable"
             with DroppingPages(self._maps):
-                return self._envs[weights_path].create_session(graph_path, prepack=prepack, config=config)
+                return env.create_session(graph_path, prepack=prepack, optimization_level=level, config=config)
         except ort_capi.CapiError as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
+
+    def _optimized_graph(self, env: ort_capi.Env, graph_path: str, weights_path: str, config: dict[str, str]) -> str:
+        from .ort_cache import OptimizedGraphs
+
+        if self._cache is None:
+            self._cache = OptimizedGraphs()
+        try:
+            path, tensors = self._cache.graph(graph_path, weights_path, config, self._names[weights_path])
+        except OSError as e:  # a read-only cache location: run, with each session's own copies
+            if not self._warned:
+                print(f"specedge: no optimized-graph cache under {self._cache.root} ({e.strerror or e}); each "
+                      f"session keeps its own weight copies (set SPECEDGE_CACHE to a writable directory)",
+                      file=sys.stderr)
+                self._warned = True
+            return graph_path
+        except Exception:  # onnxruntime refused the graph: the plain session creation says why
+            return graph_path
+        new = {n: a for n, a in tensors.items() if not env.has_weight(n)}  # the bundle's own stay from its file
+        env.add_weights(new)
+        self._maps.extend(a._mmap for a in new.values() if getattr(a, "_mmap", None) is not None)
+        return path
 
     def release_raw_weights(self) -> None:
         """Call once all sessions exist: their packed weights are what they read now."""

@@ -299,6 +299,9 @@ class Env(_Closable):
         for name, arr in tensors.items():
             self._weights[name] = (arr, _tensor(self._api, self._mem_info, arr))
 
+    def has_weight(self, name: str) -> bool:
+        return name in self._weights
+
     def create_session(self, model_path: str, prepack: bool = True, optimization_level: str = "all",
                        config: dict[str, str] | None = None) -> Session:
         """A session over `model_path` whose initializers come from add_weights() wherever the names match (ORT
