@@ -19,7 +19,10 @@ as long as no row is near the end of the context (the step's T is bounded by the
 A free row keeps the cache of the last sequence it ran (`history`): a request that continues it keeps that
 prefix and prefills only the rest, as a batch-1 session does (runtime/session.py).
 
-Proposers: `none` and `ngram` (prompt lookup). Draft models are not batched yet.
+Proposers: `none`, `ngram` (prompt lookup) and `draft` when the draft is cut from the target's first layers
+(a layer draft reading the target's cache, kv_cache.SharedKVCache): each round, the rows that draft run the
+draft's one-token graph together, one step per draft position, each row at its own cache length. A draft model
+with a cache of its own is not batched yet.
 """
 from __future__ import annotations
 
@@ -34,14 +37,14 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength
-from .generator import GenerationResult, check_gamma, check_request
+from .generator import GenerationResult, shares_target_cache, check_gamma, check_request
 from .model import ModelRunner, common_prefix
-from .proposers import ngram_lookup
+from .proposers import Sampler, ngram_lookup
 from .sampling import SamplingParams, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
-BATCH_PROPOSERS = ("ngram", "none")
+BATCH_PROPOSERS = ("draft", "ngram", "none")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Row:
     ngram: tuple[int, int]
     length: DraftLength
     stats: Stats
+    sampler: Sampler  # draws the row's drafts and acceptances from `rng`, in the order batch 1 does
     prefill: list[int]  # prompt tokens still to put in the cache (the last prompt token stays pending)
     context: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -65,8 +69,11 @@ class Row:
 
 
 class BatchRunner:
-    def __init__(self, target: ModelRunner, manifest, eos_ids: list[int]):
+    def __init__(self, target: ModelRunner, manifest, eos_ids: list[int], draft: ModelRunner | None = None):
+        """`draft`: a layer draft reading the target's cache (None: the bundle has none, or one with a cache of
+        its own, which batches do not run)."""
         self.target, self.manifest, self.eos_ids = target, manifest, list(eos_ids)
+        self.draft = draft
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
@@ -84,6 +91,10 @@ class BatchRunner:
         if proposer not in BATCH_PROPOSERS:
             raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
                                   f"{', '.join(BATCH_PROPOSERS)}")
+        if proposer == "draft" and self.draft is None:
+            raise GenerationError("proposer 'draft' is not available for batches of this bundle: batches draft "
+                                  "with a layer draft (export --draft-layers N); a draft model with a cache of its "
+                                  "own is not batched yet")
         if proposer != "none":
             check_gamma(self.manifest, gamma)
         return params
@@ -109,10 +120,11 @@ class BatchRunner:
         self.history[b] = []
         self.target.cache.set_row_length(b, keep)
         stats.reused_tokens = keep
-        row = Row(prompt, max_new_tokens, proposer, gamma, params, np.random.default_rng(seed),
+        rng = np.random.default_rng(seed)
+        row = Row(prompt, max_new_tokens, proposer, gamma, params, rng,
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
-                  DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=False), stats,
-                  prompt[keep:-1], list(prompt))
+                  DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
+                  Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt))
         self.rows[b] = row
         return row
 
@@ -144,6 +156,8 @@ class BatchRunner:
         self._gammas.add(gamma)
         steps = self.target.use_steps(sorted({1} | {g + 1 for g in self._gammas if g}))
         self.target.warm([(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()] + [(C.STEP, t) for t in steps])
+        if self.draft is not None and gamma:
+            self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
 
     # -- steps ---------------------------------------------------------------------------------------
     def prefill_step(self) -> bool:
@@ -167,6 +181,7 @@ class BatchRunner:
         steps = target.step_sizes
         feeds: list[list[int]] = [[] for _ in range(self.batch)]
         drafts: dict[int, list[int]] = {}
+        wanted: dict[int, int] = {}  # rows that draft with the layer draft: how many tokens
         for b in ready:
             row = self.rows[b]
             free = capacity - int(target.cache.length[b])
@@ -178,9 +193,13 @@ class BatchRunner:
             while k > 0 and not any(k + 1 <= t <= room for t in steps):
                 k -= 1
             drafts[b] = ngram_lookup(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
-            feeds[b] = [row.context[-1]] + drafts[b]
+            if k > 0 and row.proposer == "draft":
+                wanted[b] = k
         if not drafts:
             return {}
+        draft_probs = self._draft_rows(wanted, drafts) if wanted else {}
+        for b, d in drafts.items():
+            feeds[b] = [self.rows[b].context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
         logits = target.run_rows(feeds)
         committed = {}
@@ -190,8 +209,8 @@ class BatchRunner:
             if row.params.greedy:
                 accepted, token = accept_greedy(np.asarray(d, np.int64), rows_b)
             else:
-                accepted, token = accept_sampling(np.asarray(d, np.int64), None, probs_from_logits(rows_b, row.params),
-                                                  row.rng)
+                accepted, token = accept_sampling(np.asarray(d, np.int64), draft_probs.get(b),
+                                                  probs_from_logits(rows_b, row.params), row.rng)
             target.cache.set_row_length(b, bases[b] + 1 + accepted)
             row.length.update(len(d), accepted)
             new = d[:accepted] + [int(token)]
@@ -212,6 +231,27 @@ class BatchRunner:
         return committed
 
 
+    def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
+        """wanted[b] drafts for each row b from the layer draft, into drafts[b]: one batched one-token step per
+        draft position (position j feeds each row's token j-1, the pending one first; a row with fewer drafts
+        is idle), so each row drafts what it drafts at batch 1. Returns each row's draft distributions q
+        [k, V] (None when greedy)."""
+        self.target.reserve(max(wanted.values()) + 1)  # the verify step's bucket, before draft entries exist
+        self.draft.cache.follow()  # every row starts at the target's valid length
+        last = {b: self.rows[b].context[-1] for b in wanted}
+        probs: dict[int, list] = {b: [] for b in wanted}
+        for j in range(max(wanted.values())):
+            feeds = [[last[b]] if wanted.get(b, 0) > j else [] for b in range(self.batch)]
+            logits = self.draft.run_rows(feeds)  # [B, 1, V]
+            for b, k in wanted.items():
+                if j < k:
+                    token, q = self.rows[b].sampler.draft_from(logits[b, 0])
+                    drafts[b].append(token)
+                    probs[b].append(q)
+                    last[b] = token
+        return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
+
+
 class BatchGenerator:
     def __init__(self, bundle_dir: str, manifest, backend):
         self.manifest, self.backend = manifest, backend
@@ -219,8 +259,11 @@ class BatchGenerator:
         self.batch = manifest.target.dims.batch
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
-        self.runner = BatchRunner(self.target, manifest, self.eos_ids)
-        self.draft = None  # draft models are not batched
+        # A layer draft reads the target's cache and batches with it; a draft model of its own does not (yet).
+        self.draft = None
+        if manifest.draft and shares_target_cache(manifest):
+            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=self.target)
+        self.runner = BatchRunner(self.target, manifest, self.eos_ids, self.draft)
 
     @classmethod
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "BatchGenerator":
@@ -231,6 +274,8 @@ class BatchGenerator:
         return cls(bundle, manifest, engine)
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.target.close()
         self.backend.close()
 

@@ -53,7 +53,7 @@ class Generator:
         self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
         self.draft = None
         if manifest.draft:
-            shares = self.target if _shares_target_cache(manifest) else None
+            shares = self.target if shares_target_cache(manifest) else None
             self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares)
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
@@ -322,7 +322,7 @@ def check_gamma(manifest: Manifest, gamma: int) -> None:
                               f"exported gammas: {', '.join(map(str, verify)) or 'none'}")
 
 
-def _shares_target_cache(manifest: Manifest) -> bool:
+def shares_target_cache(manifest: Manifest) -> bool:
     draft, target = manifest.draft, manifest.target
     return draft.layers_of == "target" and SharedKVCache.compatible(draft.dims, target.dims, draft.buckets(),
                                                                      target.buckets())

@@ -54,6 +54,67 @@ def test_sampled_rows_repeat_their_batch_1_runs(gens):
                                          seed=11 + b, stop_ids=[]).tokens
 
 
+@pytest.fixture(scope="module")
+def draft_gens(tiny_models, tmp_path_factory):
+    """The same pair with a one-layer layer draft (it reads the target's cache)."""
+    root = tmp_path_factory.mktemp("batch_draft")
+    one, three = str(root / "b1"), str(root / "b3")
+    for path, batch in ((one, 1), (three, B)):
+        export_bundle(tiny_models["llama"][0], path, ExportOptions(context=128, prefill_chunk=CHUNK, batch=batch,
+                                                                   draft_layers=1), progress=False)
+    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    yield g1, g3
+    g1.close()
+    g3.close()
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_layer_draft_rows_equal_their_batch_1_output(draft_gens, gamma):
+    """Rows draft together, one batched draft step per position, each at its own cache length in the target's
+    shared buffers: every row gives its batch-1 tokens, and drafts were proposed, accepted and rejected."""
+    g1, g3 = draft_gens
+    prompts = PROMPTS + [prompt_of(2, 9)][: B - len(PROMPTS)]
+    runs_before = g3.draft.graph_runs
+    results = g3.generate_batch(prompts, NEW, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
+    draft_runs = g3.draft.graph_runs - runs_before
+    proposed = accepted = 0
+    for prompt, res in zip(prompts, results):
+        alone = g1.generate(prompt, NEW, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
+        assert res.tokens == alone.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+        assert (res.stats.proposed, res.stats.accepted) == (alone.stats.proposed, alone.stats.accepted)
+        proposed += res.stats.proposed
+        accepted += res.stats.accepted
+    assert 0 < accepted < proposed
+    assert draft_runs < proposed  # one draft step serves every drafting row at a position
+
+
+def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
+    """Row b draws its drafts and its acceptances from its own generator (seed + b), in batch 1's order."""
+    g1, g3 = draft_gens
+    results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, temperature=0.8, top_p=0.9, seed=5,
+                                stop_ids=[])
+    proposed = accepted = 0
+    for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
+        alone = g1.generate(prompt, NEW, proposer="draft", gamma=4, temperature=0.8, top_p=0.9, seed=5 + b,
+                            stop_ids=[])
+        assert res.tokens == alone.tokens
+        proposed, accepted = proposed + res.stats.proposed, accepted + res.stats.accepted
+    assert 0 < accepted < proposed
+
+
+def test_a_draft_model_with_its_own_cache_is_refused_for_batches(tiny_models, tiny_draft_model, tmp_path):
+    out = str(tmp_path / "pair")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, batch=2),
+                  draft_path=tiny_draft_model[0], progress=False)
+    g = BatchGenerator.load(out)
+    try:
+        with pytest.raises(GenerationError, match="cache of its own is not batched"):
+            g.generate_batch([[5, 6], [7]], 4, proposer="draft")
+        assert len(g.generate_batch([[5, 6], [7]], 4, proposer="ngram")) == 2
+    finally:
+        g.close()
+
+
 def test_rows_stop_independently_and_idle_rows_change_nothing(gens):
     g1, g3 = gens
     full = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS[:2]]

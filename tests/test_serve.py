@@ -409,7 +409,7 @@ def test_batch_server_follow_up_reuses_its_row_and_stays_exact(batch_server, ora
     assert r2.usage.prompt_tokens_details.cached_tokens >= len(chat_ids(oracle, history[:1])) - 1
     r = httpx.post(batch_server.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "proposer": "draft"})
-    assert r.status_code == 400 and "not available on a batch bundle" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "needs a bundle with a draft model" in r.json()["error"]["message"]
 
 
 def test_batch_server_disconnect_frees_the_row(batch_server):
