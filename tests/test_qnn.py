@@ -236,7 +236,7 @@ def test_damaged_binary_is_recompiled(damage, tiny_bundle):
             f.truncate(0)
             f.write(b"not an onnx model")
     if damage == "refused":
-        from specedge.runtime.backends.qnn_cache import file_digest
+        from specedge.runtime.backends.digests import file_digest
 
         with open(os.path.join(os.path.dirname(ctx), DIGEST_FILE), "w") as f:
             f.write(file_digest(ctx))

@@ -35,7 +35,6 @@ only when that peer is asked for.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -47,6 +46,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import BackendError, GenerationError
+from ..runtime.backends.digests import file_digest
 
 # What to tell a user who lacks a peer's packages. Both peers need torch + transformers: the ORT GenAI
 # peer uses them (once) to dequantize the GGUF and write the directory its model builder reads.
@@ -146,14 +146,6 @@ def _load_hf_fp32(gguf_path: str):
     if odd or packed:
         raise BackendError(f"the GGUF did not load as a plain float32 model (dtypes {odd}, modules {packed})")
     return model, tokenizer
-
-
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,7 +258,7 @@ def build_ort_genai_model(gguf_path: str, cache_dir: str, log=None, precision: s
     og = _import_og()
     if not os.path.isfile(gguf_path):
         raise BackendError(f"no GGUF file at {gguf_path}")
-    digest = _file_digest(gguf_path)
+    digest = file_digest(gguf_path)
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     out_dir = os.path.join(cache_dir, "ort-genai", f"{stem}-{digest[:16]}-{precision}-cpu-ogenai{og.__version__}")
     marker = os.path.join(out_dir, "specedge-peer.json")

@@ -27,7 +27,7 @@ import tempfile
 
 import numpy as np
 
-from .qnn_cache import file_digest
+from .digests import FileDigests
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 MIN_EXTERNAL_BYTES = 1024  # smaller initializers stay inside the graph file
@@ -68,15 +68,7 @@ def _atomic_write(path: str, data: bytes) -> None:
 class OptimizedGraphs:
     def __init__(self, root: str | None = None):
         self.root = root or default_root()
-        self._digests: dict[str, tuple[tuple[int, int], str]] = {}  # path -> ((size, mtime_ns), sha256)
-
-    def _digest(self, path: str) -> str:
-        st = os.stat(path)
-        stamp = (st.st_size, st.st_mtime_ns)
-        known = self._digests.get(path)
-        if known is None or known[0] != stamp:
-            known = self._digests[path] = (stamp, file_digest(path))
-        return known[1]
+        self._digest = FileDigests()
 
     def model_dir(self, weights_path: str, config: dict[str, str]) -> str:
         import onnxruntime

@@ -18,14 +18,11 @@ import os
 import shutil
 import tempfile
 
+from .digests import FileDigests, file_digest
+
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 CONTEXT_FILE = "graph_ctx.onnx"
 DIGEST_FILE = "graph_ctx.sha256"
-
-
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def default_root() -> str:
@@ -38,16 +35,7 @@ def default_root() -> str:
 class ContextCache:
     def __init__(self, root: str | None = None):
         self.root = root or default_root()
-        self._digests: dict[str, tuple[tuple[int, int], str]] = {}  # path -> ((size, mtime_ns), sha256)
-
-    def _content_digest(self, path: str) -> str:
-        """A file's SHA-256, remembered while its size and mtime stay (a weights file is hashed once per run)."""
-        st = os.stat(path)
-        stamp = (st.st_size, st.st_mtime_ns)
-        known = self._digests.get(path)
-        if known is None or known[0] != stamp:
-            known = self._digests[path] = (stamp, file_digest(path))
-        return known[1]
+        self._content_digest = FileDigests()
 
     def key(self, graph_path: str, weights_path: str, options: dict) -> str:
         parts = {"format": CACHE_FORMAT, "graph": self._content_digest(graph_path),
