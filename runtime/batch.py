@@ -19,10 +19,12 @@ as long as no row is near the end of the context (the step's T is bounded by the
 A free row keeps the cache of the last sequence it ran (`history`): a request that continues it keeps that
 prefix and prefills only the rest, as a batch-1 session does (runtime/session.py).
 
-Proposers: `none`, `ngram` (prompt lookup) and `draft` when the draft is cut from the target's first layers
-(a layer draft reading the target's cache, kv_cache.SharedKVCache): each round, the rows that draft run the
-draft's one-token graph together, one step per draft position, each row at its own cache length. A draft model
-with a cache of its own is not batched yet.
+Proposers: `none`, `ngram` (prompt lookup) and `draft`. Each round the rows that draft run the draft's graphs
+together, one batched step per draft position, each row at its own cache length, so a row drafts what it
+drafts at batch 1. A layer draft (cut from the target's first layers) reads the target's cache
+(kv_cache.SharedKVCache); a draft model of its own has a batch cache of its own, which the rows prefill with
+their prompts alongside the target and catch up on the tokens it has not seen, as proposers.DraftModelProposer
+does for one sequence.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength
-from .generator import GenerationResult, shares_target_cache, check_gamma, check_request
+from .generator import GenerationResult, check_gamma, check_request, check_vocab, shares_target_cache
+from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import Sampler, ngram_lookup
 from .sampling import SamplingParams, probs_from_logits
@@ -66,14 +69,21 @@ class Row:
     context: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     reason: str = ""  # why it finished ("" while it runs)
+    # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
+    draft_prefill: list[int] = field(default_factory=list)  # prompt tokens its cache still lacks
+    draft_behind: list[int] = field(default_factory=list)  # committed tokens it lacks, the pending one excluded
+    draft_feed: list[int] = field(default_factory=list)  # what this round fed it: behind + the pending token
+    draft_base: int = 0  # its cache length when the round began
 
 
 class BatchRunner:
     def __init__(self, target: ModelRunner, manifest, eos_ids: list[int], draft: ModelRunner | None = None):
-        """`draft`: a layer draft reading the target's cache (None: the bundle has none, or one with a cache of
-        its own, which batches do not run)."""
+        """`draft`: the bundle's draft model (a layer draft reading the target's cache, or a model with a batch
+        cache of its own), or None."""
         self.target, self.manifest, self.eos_ids = target, manifest, list(eos_ids)
         self.draft = draft
+        self.own_draft_cache = draft is not None and not isinstance(draft.cache, SharedKVCache)
+        self.draft_history: list[list[int]] = [[] for _ in range(target.dims.batch)]  # own draft cache, per row
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
@@ -92,9 +102,7 @@ class BatchRunner:
             raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
                                   f"{', '.join(BATCH_PROPOSERS)}")
         if proposer == "draft" and self.draft is None:
-            raise GenerationError("proposer 'draft' is not available for batches of this bundle: batches draft "
-                                  "with a layer draft (export --draft-layers N); a draft model with a cache of its "
-                                  "own is not batched yet")
+            raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
         if proposer != "none":
             check_gamma(self.manifest, gamma)
         return params
@@ -125,6 +133,11 @@ class BatchRunner:
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
                   Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt))
+        if self.own_draft_cache and proposer == "draft":
+            keep = common_prefix(self.draft_history[b], prompt[:-1])
+            self.draft.cache.set_row_length(b, keep)
+            row.draft_prefill = prompt[keep:-1]
+        self.draft_history[b] = []
         self.rows[b] = row
         return row
 
@@ -135,6 +148,10 @@ class BatchRunner:
         n = min(int(self.target.cache.length[b]), len(committed))  # a cut round may have stored more
         self.target.cache.set_row_length(b, n)
         self.history[b] = committed[:n]
+        if self.own_draft_cache and row.proposer == "draft":  # it holds committed tokens, in order, up to its length
+            n = min(int(self.draft.cache.length[b]), len(committed))
+            self.draft.cache.set_row_length(b, n)
+            self.draft_history[b] = committed[:n]
         self.rows[b] = None
         return row
 
@@ -156,28 +173,40 @@ class BatchRunner:
         self._gammas.add(gamma)
         steps = self.target.use_steps(sorted({1} | {g + 1 for g in self._gammas if g}))
         self.target.warm([(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()] + [(C.STEP, t) for t in steps])
-        if self.draft is not None and gamma:
+        if self.draft is not None and gamma and not self.own_draft_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
+        elif self.draft is not None and gamma:  # T=2 feeds a fully accepted round's last draft with the pending token
+            self.draft.warm([(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
+                            + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
 
     # -- steps ---------------------------------------------------------------------------------------
     def prefill_step(self) -> bool:
-        """One prefill chunk for the rows with prompt left; False when none has."""
+        """One prefill chunk for the rows with prompt left (and one for an own-cache draft's rows); False when
+        none has."""
         pending = [r.prefill if r is not None and not r.reason else [] for r in self.rows]
-        if not any(pending):
+        drafting = [r.draft_prefill if r is not None and not r.reason else [] for r in self.rows]
+        if not any(pending) and not any(drafting):
             return False
-        done = self.target.prefill_chunk(pending)
-        for row, n in zip(self.rows, done):
-            if n:
-                row.prefill = row.prefill[n:]
-                if not row.prefill:
-                    row.stats.prefill_ms = row.stats.ms_since_start()
+        if any(pending):
+            done = self.target.prefill_chunk(pending)
+            for row, n in zip(self.rows, done):
+                if n:
+                    row.prefill = row.prefill[n:]
+        if any(drafting):
+            done = self.draft.prefill_chunk(drafting)
+            for row, n in zip(self.rows, done):
+                if n:
+                    row.draft_prefill = row.draft_prefill[n:]
+        for row in self.rows:
+            if row is not None and not row.prefill and not row.draft_prefill and not row.stats.prefill_ms:
+                row.stats.prefill_ms = row.stats.ms_since_start()
         return True
 
     def decode_step(self) -> dict[int, list[int]]:
         """One verify step for every running row whose prompt is in the cache; returns the tokens each row
         committed (after its stop and length cuts). A row that finishes gets its `reason`."""
         target, capacity = self.target, self.target.cache.capacity
-        ready = [b for b in self.active if not self.rows[b].prefill]
+        ready = [b for b in self.active if not self.rows[b].prefill and not self.rows[b].draft_prefill]
         steps = target.step_sizes
         feeds: list[list[int]] = [[] for _ in range(self.batch)]
         drafts: dict[int, list[int]] = {}
@@ -197,7 +226,10 @@ class BatchRunner:
                 wanted[b] = k
         if not drafts:
             return {}
-        draft_probs = self._draft_rows(wanted, drafts) if wanted else {}
+        if self.own_draft_cache:
+            draft_probs = self._draft_model_rows(wanted, drafts, [b for b in drafts if self.rows[b].proposer == "draft"])
+        else:
+            draft_probs = self._draft_rows(wanted, drafts) if wanted else {}
         for b, d in drafts.items():
             feeds[b] = [self.rows[b].context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
@@ -212,6 +244,8 @@ class BatchRunner:
                 accepted, token = accept_sampling(np.asarray(d, np.int64), draft_probs.get(b),
                                                   probs_from_logits(rows_b, row.params), row.rng)
             target.cache.set_row_length(b, bases[b] + 1 + accepted)
+            if self.own_draft_cache and row.proposer == "draft":
+                self._commit_draft_model_row(b, d, accepted)
             row.length.update(len(d), accepted)
             new = d[:accepted] + [int(token)]
             for i, t in enumerate(new):
@@ -252,6 +286,52 @@ class BatchRunner:
         return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
 
 
+    def _draft_model_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]],
+                          rows: list[int]) -> dict[int, np.ndarray | None]:
+        """The own-cache draft model's round for `rows` (every row that drafts with it, wanted[b] tokens or
+        none): each feeds what its cache lacks plus the pending token (a long catch-up is prefilled first),
+        then one batched step per draft position."""
+        draft = self.draft
+        for b in rows:
+            row = self.rows[b]
+            row.draft_feed = row.draft_behind + [row.context[-1]]
+            row.draft_base = int(draft.cache.length[b])
+        wanted = {b: k for b, k in wanted.items() if k > 0}
+        if not wanted:
+            return {}
+        widest = max(draft.step_sizes)
+        while any(len(self.rows[b].draft_feed) > widest for b in wanted):  # rare: many rounds without drafts
+            lag = [self.rows[b].draft_feed[:-1] if b in wanted and len(self.rows[b].draft_feed) > widest else []
+                   for b in range(self.batch)]
+            for b, n in enumerate(draft.prefill_chunk(lag)):
+                if n:
+                    self.rows[b].draft_feed = self.rows[b].draft_feed[n:]
+        feeds = [self.rows[b].draft_feed if b in wanted else [] for b in range(self.batch)]
+        logits = draft.run_rows(feeds)  # [B, T, V]
+        probs: dict[int, list] = {b: [] for b in wanted}
+        for j in range(max(wanted.values())):
+            if j:
+                feeds = [[drafts[b][-1]] if wanted.get(b, 0) > j else [] for b in range(self.batch)]
+                logits = draft.run_rows(feeds)
+            for b, k in wanted.items():
+                if j < k:
+                    token, q = self.rows[b].sampler.draft_from(logits[b, len(feeds[b]) - 1])
+                    drafts[b].append(token)
+                    probs[b].append(q)
+        return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
+
+    def _commit_draft_model_row(self, b: int, proposed: list[int], accepted: int) -> None:
+        """Keep what the target accepted in the own-cache draft's row (DraftModelProposer.commit)."""
+        row, k = self.rows[b], len(proposed)
+        if k == 0:  # the target consumed the pending token without drafts; the draft never saw the feed
+            self.draft.cache.set_row_length(b, row.draft_base)
+            row.draft_behind = row.draft_feed
+            return
+        # Its cache holds base + feed + drafts[:k-1]; after a full accept the last draft was never fed.
+        self.draft.cache.set_row_length(b, row.draft_base + len(row.draft_feed) + min(accepted, k - 1))
+        row.draft_behind = [proposed[-1]] if accepted == k else []
+
+
 class BatchGenerator:
     def __init__(self, bundle_dir: str, manifest, backend):
         self.manifest, self.backend = manifest, backend
@@ -259,18 +339,20 @@ class BatchGenerator:
         self.batch = manifest.target.dims.batch
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
-        # A layer draft reads the target's cache and batches with it; a draft model of its own does not (yet).
         self.draft = None
-        if manifest.draft and shares_target_cache(manifest):
-            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=self.target)
+        if manifest.draft:
+            shares = self.target if shares_target_cache(manifest) else None
+            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares)
         self.runner = BatchRunner(self.target, manifest, self.eos_ids, self.draft)
 
     @classmethod
     def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "BatchGenerator":
         manifest = load_manifest(bundle)
+        check_vocab(manifest)
         engine = create_backend(backend, threads)
-        weights = manifest.target.weights
-        engine.add_weights_file(os.path.join(bundle, weights), read_index(os.path.join(bundle, weights_index_file(weights))))
+        for weights in {m.weights for m in manifest.models.values()}:
+            engine.add_weights_file(os.path.join(bundle, weights),
+                                    read_index(os.path.join(bundle, weights_index_file(weights))))
         return cls(bundle, manifest, engine)
 
     def close(self) -> None:

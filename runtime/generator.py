@@ -66,7 +66,7 @@ class Generator:
         if manifest.target.dims.batch != 1:
             raise BundleError(f"this bundle has batch {manifest.target.dims.batch}: run it with specedge generate "
                               "--prompts FILE.jsonl (runtime.batch.BatchGenerator), or export with --batch 1")
-        _check_vocab(manifest)
+        check_vocab(manifest)
         engine = create_backend(backend, threads)
         for weights in {m.weights for m in manifest.models.values()}:
             index = read_index(os.path.join(bundle, weights_index_file(weights)))
@@ -328,7 +328,7 @@ def shares_target_cache(manifest: Manifest) -> bool:
                                                                      target.buckets())
 
 
-def _check_vocab(manifest: Manifest) -> None:
+def check_vocab(manifest: Manifest) -> None:
     """A draft must speak the target's vocabulary; the exporter recorded how that was established."""
     draft = manifest.draft
     if draft is None:

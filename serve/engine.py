@@ -74,9 +74,6 @@ def check_speculation(gen, proposer: str, gamma: int) -> None:
         raise GenerationError(f"proposer {proposer!r} is not available on a batch bundle; use "
                               f"{' or '.join(BATCH_PROPOSERS)}")
     if proposer == "draft" and gen.draft is None:
-        if gen.manifest.draft is not None:  # a batch bundle whose draft model has a cache of its own
-            raise GenerationError("proposer 'draft' is not available on this batch bundle: its draft model has a "
-                                  "cache of its own, which batches do not run yet; use ngram or none")
         raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
     if proposer != "none":
         check_gamma(gen.manifest, gamma)

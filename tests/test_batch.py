@@ -102,17 +102,92 @@ def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
     assert 0 < accepted < proposed
 
 
-def test_a_draft_model_with_its_own_cache_is_refused_for_batches(tiny_models, tiny_draft_model, tmp_path):
-    out = str(tmp_path / "pair")
-    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, batch=2),
-                  draft_path=tiny_draft_model[0], progress=False)
-    g = BatchGenerator.load(out)
+@pytest.fixture(scope="module")
+def pair_gens(tiny_models, tiny_near_draft_model, tmp_path_factory):
+    """Target + a separate draft model (a perturbed copy: accepted often, not always), batch 1 and batch 3."""
+    root = tmp_path_factory.mktemp("batch_pair")
+    one, three = str(root / "b1"), str(root / "b3")
+    for path, batch in ((one, 1), (three, B)):
+        export_bundle(tiny_models["llama"][0], path, ExportOptions(context=128, prefill_chunk=CHUNK, batch=batch),
+                      draft_path=tiny_near_draft_model[0], progress=False)
+    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    yield g1, g3
+    g1.close()
+    g3.close()
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_draft_model_rows_equal_their_batch_1_output(pair_gens, gamma):
+    """A draft model with a batch cache of its own: the rows prefill it with their prompts, catch it up after
+    fully accepted rounds (a two-token step) and draft together; each row gives its batch-1 tokens and
+    counts, greedy and sampled."""
+    g1, g3 = pair_gens
+    results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
+    proposed = accepted = 0
+    for prompt, res in zip(PROMPTS, results):
+        alone = g1.generate(prompt, NEW, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
+        assert res.tokens == alone.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+        assert (res.stats.proposed, res.stats.accepted) == (alone.stats.proposed, alone.stats.accepted)
+        proposed, accepted = proposed + res.stats.proposed, accepted + res.stats.accepted
+    assert 0 < accepted < proposed
+    sampled = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=gamma, temperature=0.8, seed=3, stop_ids=[])
+    for b, (prompt, res) in enumerate(zip(PROMPTS, sampled)):
+        assert res.tokens == g1.generate(prompt, NEW, proposer="draft", gamma=gamma, temperature=0.8, seed=3 + b,
+                                         stop_ids=[]).tokens
+
+
+def test_draft_model_rows_catch_up_after_rounds_without_drafts(tiny_models, tiny_draft_model, tmp_path):
+    """A poor draft (an unrelated one-layer model) makes the adaptive draft length pause, so rows come back
+    to drafting with several tokens their draft cache has not seen: those are prefilled before the round,
+    and every row still gives its batch-1 tokens."""
+    paths = {}
+    for name, batch in (("b1", 1), ("b3", B)):
+        paths[name] = str(tmp_path / name)
+        export_bundle(tiny_models["llama"][0], paths[name], ExportOptions(context=128, prefill_chunk=CHUNK,
+                                                                          batch=batch),
+                      draft_path=tiny_draft_model[0], progress=False)
+    g1, g3 = Generator.load(paths["b1"]), BatchGenerator.load(paths["b3"])
     try:
-        with pytest.raises(GenerationError, match="cache of its own is not batched"):
-            g.generate_batch([[5, 6], [7]], 4, proposer="draft")
-        assert len(g.generate_batch([[5, 6], [7]], 4, proposer="ngram")) == 2
+        lagging, inside = [], []
+        chunk, draft_round = g3.draft.prefill_chunk, g3.runner._draft_model_rows
+
+        def counted(pending):
+            if inside:  # a catch-up inside a decode round, not the prompt's prefill
+                lagging.append(sum(map(len, pending)))
+            return chunk(pending)
+
+        def round_(*args):
+            inside.append(True)
+            try:
+                return draft_round(*args)
+            finally:
+                inside.clear()
+
+        g3.draft.prefill_chunk, g3.runner._draft_model_rows = counted, round_
+        results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, stop_ids=[])
+        for prompt, res in zip(PROMPTS, results):
+            assert res.tokens == g1.generate(prompt, NEW, proposer="draft", gamma=4, stop_ids=[]).tokens
+        assert lagging and max(lagging) > 1
     finally:
-        g.close()
+        g1.close()
+        g3.close()
+
+
+def test_draft_model_rows_reuse_their_draft_cache_on_a_follow_up(pair_gens):
+    """A continuing request in a freed row keeps the prefix in both caches (target and draft) and still
+    equals a fresh batch-1 run of the whole conversation."""
+    g1, g3 = pair_gens
+    runner = g3.runner
+    first = g3.generate_batch(PROMPTS[:1], 12, proposer="draft", gamma=4, stop_ids=[])[0]
+    follow = PROMPTS[0] + first.tokens + [21, 22, 23]
+    b = runner.free_row(follow)
+    row = runner.admit(b, follow, 12, proposer="draft", gamma=4, stop_ids=[])
+    assert row.stats.reused_tokens > 0 and len(row.draft_prefill) < len(follow) - 1
+    while runner.prefill_step():
+        pass
+    while runner.active:
+        runner.decode_step()
+    assert runner.release(b).output == g1.generate(follow, 12, proposer="none", stop_ids=[]).tokens
 
 
 def test_rows_stop_independently_and_idle_rows_change_nothing(gens):
@@ -131,7 +206,8 @@ def test_rows_stop_independently_and_idle_rows_change_nothing(gens):
 @pytest.mark.parametrize("kwargs,match", [
     ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),
     ({"prompts": [[5], []]}, "prompt 1 is empty"),
-    ({"prompts": [[5]], "proposer": "draft"}, "not available for batches"),
+    ({"prompts": [[5]], "proposer": "draft"}, "needs a bundle with a draft model"),
+    ({"prompts": [[5]], "proposer": "lookahead"}, "not available for batches; choose one of draft, ngram, none"),
     ({"prompts": [[5]], "gamma": 3}, "gamma 3 has no verify graph"),
     ({"prompts": [[5]], "temperature": -1.0}, "temperature"),
     ({"prompts": [[5] * 200]}, "context holds 128"),
