@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import onnx
 
@@ -170,7 +170,11 @@ def check_vocab(target: Source, draft: Source) -> dict:
 
 def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelDims, role: str, tokens: int,
                  context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool,
-                 quant: QuantSpec | None, scaled_norm: bool = False, qdq: bool = False) -> GraphEntry:
+                 quant: QuantSpec | None, scaled_norm: bool = False, qdq: bool = False,
+                 rows: int | None = None) -> GraphEntry:
+    """rows: 1 for a row graph of a batch model (its prefill of one row at a time)."""
+    if rows is not None:
+        dims = replace(dims, batch=rows)
     # qdq: the float graph that export.qdq quantizes (opset 21: standard-domain uint16 QuantizeLinear)
     opset, ir = (QUANT_OPSET, QUANT_IR_VERSION) if quant or qdq else (C.OPSET, 8)
     g = GraphBuilder(f"{model}_{role}{tokens}_s{context}", refs, weights, opset=opset, ir_version=ir)
@@ -180,8 +184,8 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
     llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
                            quant=quant, scaled_norm=scaled_norm, mask_value=mask_value, same_ops=qdq)
     mask = step_mask and role == C.STEP
-    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context, mask), context=context,
-                       step_mask=mask)
+    entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context, mask, rows),
+                       context=context, step_mask=mask, batch=rows)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
     return entry
 
@@ -213,11 +217,19 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     trees = set(opts.tree_sizes) if name == "target" else set()
     plan += [(C.STEP, t, opts.step_mask or t in trees) for t in steps if not (prefill_role == C.STEP and t in prefills)]
     plan += [(C.STEP, t, True) for t in sorted(trees - set(steps))]
+    # A batch model also prefills one row at a time (manifest version 3): a batch prefill chunk computes every
+    # row, so a prompt arriving alone would pay for B.
+    row_plan = [(C.PREFILL, t) for t in prefills] if opts.batch > 1 and prefill_role == C.PREFILL and shared is None else []
     graphs = []
     for context in opts.buckets():
         for role, tokens, mask in plan:
             graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant,
                                        scaled_norm=opts.flavour == "qnn-fp16", qdq=opts.flavour == "qnn-qdq16"))
+            progress.update(graphs[-1].file)
+        for role, tokens in row_plan:
+            graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, False, quant,
+                                       scaled_norm=opts.flavour == "qnn-fp16", qdq=opts.flavour == "qnn-qdq16",
+                                       rows=1))
             progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
@@ -262,8 +274,10 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     n_weights = len(llama.weight_names(target.config, quant)) + (len(llama.weight_names(draft.config, quant)) if draft else 0)
     n_prefill = len(opts.prefill_sizes())
     trees = set(opts.tree_sizes) - set(opts.target_steps())
-    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps()) + len(trees)
-                                      + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0))
+    rows = n_prefill if opts.batch > 1 and not opts.prefill_logits else 0  # row prefill graphs per own-cache model
+    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps()) + len(trees) + rows
+                                      + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
+                                      + (rows if draft else 0))
     qdq = opts.flavour == "qnn-qdq16"
     bar = Progress(n_weights + n_graphs * (2 if qdq else 1), "export", "step", progress)
     started = time.time()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import BundleError
 from . import contract as C
@@ -24,13 +24,19 @@ FORMAT = "specedge-bundle"
 # 2: attention became position-consistent (a T-token step reproduces T one-token steps bit for bit, so greedy
 # speculation is exact on quantized graphs too); it needs cache_len + T <= S, and version-1 graphs do not
 # keep speculative output equal to plain output. Re-exporting a version-1 bundle takes seconds.
-VERSION = 2
+# 3: a model exported with --batch B > 1 also has prefill graphs of batch 1 ("batch": 1 in their graph entry),
+# which prefill one row of the batch cache at a time (bound to that row's slice of the buffers): a batch
+# prefill chunk computes every row, idle ones included. Version-2 bundles have no such graphs and read as before.
+VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
 
 
-def graph_file(model: str, role: str, tokens: int, context: int, step_mask: bool = False) -> str:
-    return f"{model}.{'tree' if step_mask else role}{tokens}.s{context}.onnx"
+def graph_file(model: str, role: str, tokens: int, context: int, step_mask: bool = False,
+               batch: int | None = None) -> str:
+    rows = f".b{batch}" if batch is not None else ""
+    return f"{model}.{'tree' if step_mask else role}{tokens}{rows}.s{context}.onnx"
 
 
 def weights_file(model: str) -> str:
@@ -78,6 +84,13 @@ class GraphEntry:
     file: str
     context: int  # the past length this graph reads: a context bucket <= the model's context
     step_mask: bool = False
+    batch: int | None = None  # 1: a row graph of a batch model (prefill of one row); None: the model's batch
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if self.batch is None:
+            del d["batch"]
+        return d
 
 
 @dataclass
@@ -100,32 +113,49 @@ class ModelEntry:
         from .quant import QuantSpec
         return QuantSpec.from_json(self.quant) if self.quant else None
 
+    @property
+    def batch_graphs(self) -> list[GraphEntry]:
+        """The graphs of the model's batch (all of them but the row graphs)."""
+        return [g for g in self.graphs if g.batch is None]
+
     def graph(self, role: str, tokens: int, context: int | None = None, tree: bool = False) -> GraphEntry | None:
         """The graph of a role and T at a context bucket (the full context when None); one per (role, T,
         context). tree: only if it has the step_mask input (a chain runs in either kind: the runtime feeds a
         masked graph the causal mask)."""
         context = context or self.dims.context
-        return next((g for g in self.graphs if (g.role, g.tokens, g.context) == (role, tokens, context)
+        return next((g for g in self.batch_graphs if (g.role, g.tokens, g.context) == (role, tokens, context)
                      and (g.step_mask or not tree)), None)
 
+    def row_graph(self, tokens: int, context: int) -> GraphEntry | None:
+        """The batch-1 prefill graph of T tokens at a context bucket (batch models, version 3)."""
+        return next((g for g in self.graphs if g.batch == 1 and (g.tokens, g.context) == (tokens, context)), None)
+
+    def row_prefill_tokens(self) -> list[int]:
+        """T of the row prefill graphs, largest first (none for a batch-1 model)."""
+        return sorted({g.tokens for g in self.graphs if g.batch == 1}, reverse=True)
+
+    def graph_dims(self, graph: GraphEntry) -> C.ModelDims:
+        """The dims a graph's inputs and outputs follow (a row graph: batch 1)."""
+        return self.dims if graph.batch is None else replace(self.dims, batch=graph.batch)
+
     def step_tokens(self) -> list[int]:
-        return sorted({g.tokens for g in self.graphs if g.role == C.STEP})
+        return sorted({g.tokens for g in self.batch_graphs if g.role == C.STEP})
 
     def tree_tokens(self) -> list[int]:
         """T of the step graphs that verify token trees (root + T-1 nodes)."""
-        return sorted({g.tokens for g in self.graphs if g.role == C.STEP and g.step_mask})
+        return sorted({g.tokens for g in self.batch_graphs if g.role == C.STEP and g.step_mask})
 
     def buckets(self) -> list[int]:
         return sorted({g.context for g in self.graphs})
 
     def prefill_tokens(self) -> list[int]:
         """The token counts of the prefill graphs, largest first (the chunk, then smaller tail sizes)."""
-        return sorted({g.tokens for g in self.graphs if g.role == C.PREFILL}, reverse=True)
+        return sorted({g.tokens for g in self.batch_graphs if g.role == C.PREFILL}, reverse=True)
 
     def to_json(self) -> dict:
         d = {"family": self.family, **self.dims.to_json(), "weights": self.weights,
              "weights_index": weights_index_file(self.weights),
-             "graphs": [asdict(g) for g in self.graphs], "source": self.source}
+             "graphs": [g.to_json() for g in self.graphs], "source": self.source}
         if self.layers_of:
             d["layers_of"] = self.layers_of
         if self.quant:
@@ -172,7 +202,8 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
     try:
         dims = C.ModelDims.from_json(d)
         graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], int(g.get("context", d["context"])),
-                             bool(g.get("step_mask", False))) for g in d["graphs"]]
+                             bool(g.get("step_mask", False)), None if g.get("batch") is None else int(g["batch"]))
+                  for g in d["graphs"]]
         entry = ModelEntry(dims=dims, family=d["family"], weights=d["weights"], graphs=graphs,
                            source=d.get("source", ""), layers_of=d.get("layers_of"), quant=d.get("quant"))
         entry.quant_spec  # a malformed quant record fails here, as a BundleError
@@ -184,9 +215,13 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
         if g.role not in C.ROLES or g.tokens < 1 or not 0 < g.context <= dims.context:
             raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r}, tokens {g.tokens}, "
                               f"context {g.context} (model context {dims.context})")
-    keys = [(g.role, g.tokens, g.context) for g in graphs]
+    for g in graphs:
+        if g.batch is not None and (g.batch != 1 or g.role != C.PREFILL or dims.batch == 1 or g.step_mask):
+            raise BundleError(f"manifest: model '{name}' graph {g.file} has batch {g.batch}: only prefill graphs "
+                              f"of batch 1 in a model of batch > 1 may set it")
+    keys = [(g.role, g.tokens, g.context, g.batch) for g in graphs]
     if len(set(keys)) != len(keys):
-        role, tokens, context = next(k for k in keys if keys.count(k) > 1)
+        role, tokens, context, _ = next(k for k in keys if keys.count(k) > 1)
         raise BundleError(f"manifest: model '{name}' lists two graphs for role {role}, T={tokens}, context {context}")
     if not any(g.role == C.STEP and g.tokens == 1 and g.context == dims.context for g in graphs):
         raise BundleError(f"manifest: model '{name}' has no T=1 step graph over its full context")
@@ -206,9 +241,9 @@ def load_manifest(bundle_dir: str) -> Manifest:
         raise BundleError(f"{path} is not valid JSON ({e})") from None
     if d.get("format") != FORMAT:
         raise BundleError(f"{path}: format is {d.get('format')!r}, expected {FORMAT!r}")
-    if d.get("version") != VERSION:
+    if d.get("version") not in READABLE_VERSIONS:
         raise BundleError(f"{path}: bundle version {d.get('version')} is not supported (this specedge reads "
-                          f"{VERSION}; re-export the bundle with this specedge)")
+                          f"{', '.join(map(str, READABLE_VERSIONS))}; re-export the bundle with this specedge)")
     models = d.get("models") or {}
     if "target" not in models:
         raise BundleError(f"{path}: no models.target")

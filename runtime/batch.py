@@ -172,12 +172,13 @@ class BatchRunner:
             return
         self._gammas.add(gamma)
         steps = self.target.use_steps(sorted({1} | {g + 1 for g in self._gammas if g}))
-        self.target.warm([(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()] + [(C.STEP, t) for t in steps])
+        self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
+        self.target.warm_rows()
         if self.draft is not None and gamma and not self.own_draft_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
         elif self.draft is not None and gamma:  # T=2 feeds a fully accepted round's last draft with the pending token
-            self.draft.warm([(C.PREFILL, t) for t in self.manifest.draft.prefill_tokens()]
-                            + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
+            self.draft.warm(_prefill_graphs(self.draft) + [(C.STEP, t) for t in self.draft.use_steps([1, 2])])
+            self.draft.warm_rows()
 
     # -- steps ---------------------------------------------------------------------------------------
     def prefill_step(self) -> bool:
@@ -188,13 +189,11 @@ class BatchRunner:
         if not any(pending) and not any(drafting):
             return False
         if any(pending):
-            done = self.target.prefill_chunk(pending)
-            for row, n in zip(self.rows, done):
+            for row, n in zip(self.rows, _prefill_rows(self.target, pending)):
                 if n:
                     row.prefill = row.prefill[n:]
         if any(drafting):
-            done = self.draft.prefill_chunk(drafting)
-            for row, n in zip(self.rows, done):
+            for row, n in zip(self.rows, _prefill_rows(self.draft, drafting)):
                 if n:
                     row.draft_prefill = row.draft_prefill[n:]
         for row in self.rows:
@@ -332,9 +331,23 @@ class BatchRunner:
         row.draft_behind = [proposed[-1]] if accepted == k else []
 
 
+def _prefill_graphs(runner: ModelRunner) -> list[tuple[str, int]]:
+    """The batch prefill graphs a runner uses: none when it prefills one row at a time (row graphs)."""
+    return [] if runner.row_prefill_sizes else [(C.PREFILL, t) for t in runner.entry.prefill_tokens()]
+
+
+def _prefill_rows(runner: ModelRunner, pending: list[list[int]]) -> list[int]:
+    """One prefill chunk for every row with tokens pending; how many each took. With row graphs (bundle
+    version 3) each such row runs alone, so idle rows and short prompts cost nothing; otherwise one batch
+    chunk computes every row, idle ones included."""
+    if not runner.row_prefill_sizes:
+        return runner.prefill_chunk(pending)
+    return [runner.prefill_row(b, p) if p else 0 for b, p in enumerate(pending)]
+
+
 class BatchGenerator:
     def __init__(self, bundle_dir: str, manifest, backend):
-        self.manifest, self.backend = manifest, backend
+        self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
         self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
         self.batch = manifest.target.dims.batch
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)

@@ -90,6 +90,16 @@ class KVCache:
                     buf[b, :, start:start + n] = new[b, :, :n]
             self.length[b] = start + n
 
+    def append_row(self, row: int, new_keys: list[np.ndarray], new_values: list[np.ndarray], n: int) -> None:
+        """Store the first n entries of a batch-1 step's new K/V ([1, H_kv, T, D] each) after row `row`'s
+        valid ones."""
+        start = int(self.length[row])
+        if start + n > self.bucket:
+            raise ValueError(f"cache overflow in row {row}: {start} + {n} > bucket {self.bucket}")
+        for buf, new in zip(self.keys + self.values, new_keys + new_values):
+            buf[row, :, start:start + n] = new[0, :, :n]
+        self.length[row] = start + n
+
     def move_entry(self, src: int, dst: int) -> None:
         """Copy slot src to slot dst in every layer (batch 1): a tree node accepted off the first chain."""
         for buf in self.keys + self.values:

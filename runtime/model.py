@@ -47,6 +47,33 @@ class _Step:
         self.session = session
 
 
+class _RowStep:
+    """A row graph's session (a batch-1 prefill graph of a batch model), bound to one row of the batch cache
+    per run: the row's slice of every buffer is contiguous, so the binding is zero-copy."""
+
+    def __init__(self, session, dims: C.ModelDims, graph: GraphEntry):
+        T = graph.tokens
+        self.session, self.tokens, self.context = session, T, graph.context
+        self.input_ids = np.zeros((1, T), np.int64)
+        self.position_ids = np.zeros((1, T), np.int64)
+        self.new_keys = [np.zeros((1,) + dims.new_kv_shape(T)[1:], dims.dtype) for _ in range(dims.num_layers)]
+        self.new_values = [np.zeros((1,) + dims.new_kv_shape(T)[1:], dims.dtype) for _ in range(dims.num_layers)]
+        self.row = None  # the row the session is bound to
+
+    def bind(self, cache: KVCache, row: int) -> None:
+        if self.row == row:
+            return
+        keys, values = cache.buffers(self.context)
+        inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids,
+                  C.CACHE_LEN: cache.length[row:row + 1]}
+        outputs = {}
+        for i in range(len(keys)):
+            inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i][row:row + 1], values[i][row:row + 1]
+            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_keys[i], self.new_values[i]
+        self.session.bind(inputs, outputs)
+        self.row = row
+
+
 class ModelRunner:
     def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None):
         """`shares`: the target, for a draft cut from its first layers that reads the target's cache."""
@@ -57,6 +84,7 @@ class ModelRunner:
         self._dir = bundle_dir
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
+        self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
@@ -74,23 +102,34 @@ class ModelRunner:
             raise ValueError(f"the {role} graph T={tokens} has no step_mask input: it cannot run a tree")
         if key not in self._steps:
             graph = self.entry.graph(role, tokens, context, tree)
-            path = os.path.join(self._dir, graph.file)
-            if not os.path.isfile(path):
-                raise BundleError(f"graph file missing: {path}")
-            try:
-                session = self._backend.load(path, os.path.join(self._dir, self.entry.weights),
-                                             config=self.entry.session_config)
-            except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
-                raise
-            except BackendError as e:
-                raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
+            session = self._load(graph)
             _check_io(graph, self.dims, session)
             self._steps[key] = _Step(session, self.dims, graph, self.cache)
         return self._steps[key]
 
+    def _load(self, graph: GraphEntry):
+        path = os.path.join(self._dir, graph.file)
+        if not os.path.isfile(path):
+            raise BundleError(f"graph file missing: {path}")
+        try:
+            return self._backend.load(path, os.path.join(self._dir, self.entry.weights), config=self.entry.session_config)
+        except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
+            raise
+        except BackendError as e:
+            raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
+
+    def _row_step(self, tokens: int, context: int) -> _RowStep:
+        key = (tokens, context)
+        if key not in self._row_steps:
+            graph = self.entry.row_graph(tokens, context)
+            session = self._load(graph)
+            _check_io(graph, self.entry.graph_dims(graph), session)
+            self._row_steps[key] = _RowStep(session, self.dims, graph)
+        return self._row_steps[key]
+
     @property
     def sessions(self) -> int:
-        return len(self._steps)
+        return len(self._steps) + len(self._row_steps)
 
     def warm(self, roles_tokens: list[tuple[str, int]], trees: list[int] = (), reach: int | None = None,
              start: int = 0) -> None:
@@ -254,6 +293,43 @@ class ModelRunner:
         self._execute(role, T, rows)
         return [len(r) for r in rows]
 
+    # -- one row of a batch, through the row prefill graphs (manifest version 3) ------------------------------
+    @property
+    def row_prefill_sizes(self) -> list[int]:
+        """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
+        return self.entry.row_prefill_tokens()
+
+    def warm_rows(self, reach: int | None = None) -> None:
+        """Create the row prefill sessions of every bucket (up to the one holding `reach` slots)."""
+        for context in self.entry.buckets():
+            for t in self.row_prefill_sizes:
+                if self.entry.row_graph(t, context):
+                    self._row_step(t, context)
+            if reach is not None and context >= reach:
+                break
+
+    def prefill_row(self, row: int, tokens: list[int]) -> int:
+        """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the
+        smallest that holds them, else the largest); the other rows are untouched. Returns how many."""
+        sizes = self.row_prefill_sizes
+        start = int(self.cache.length[row])
+        free = self.cache.capacity - start
+        T = min((t for t in sizes if len(tokens) <= t <= free), default=None) or max(t for t in sizes if t <= free)
+        n = min(T, len(tokens))
+        need = max(self.cache.bucket, start + T)
+        self.cache.use_bucket(next(b for b in self.cache.buckets if b >= need and self.entry.row_graph(T, b)))
+        step = self._row_step(T, self.cache.bucket)
+        step.bind(self.cache, row)
+        step.input_ids[0, :n] = tokens[:n]
+        step.input_ids[0, n:] = 0
+        step.position_ids[0] = np.arange(start, start + T)
+        began = time.perf_counter()
+        step.session.run()
+        self.graph_seconds += time.perf_counter() - began
+        self.graph_runs += 1
+        self.cache.append_row(row, step.new_keys, step.new_values, n)
+        return n
+
     def prefill_reusing(self, tokens: list[int]) -> int:
         """Fill the cache with tokens, keeping the longest prefix it already holds (see `history`): a
         divergence rolls back by setting cache_len, nothing before it is recomputed. Returns the tokens kept."""
@@ -278,9 +354,10 @@ class ModelRunner:
         self.history = []
 
     def close(self) -> None:
-        for step in self._steps.values():
+        for step in list(self._steps.values()) + list(self._row_steps.values()):
             step.session.close()
         self._steps.clear()
+        self._row_steps.clear()
 
 
 def _restrict(available: list[int], sizes: list[int] | None) -> list[int]:

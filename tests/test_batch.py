@@ -54,6 +54,29 @@ def test_sampled_rows_repeat_their_batch_1_runs(gens):
                                          seed=11 + b, stop_ids=[]).tokens
 
 
+def test_rows_prefill_alone_through_row_graphs(gens):
+    """A batch bundle (manifest version 3) carries batch-1 prefill graphs: each row with prompt left runs one
+    alone on its slice of the cache, so a lone prompt does not pay for the idle rows. `specedge check` finds
+    those graphs' rows bit for bit equal to the batch's decode rows, and the tokens stay batch 1's."""
+    from specedge.graphs import contract as C
+    from specedge.tools.check import check_bundle
+
+    g1, g3 = gens
+    entry = g3.manifest.target
+    rows = [g for g in entry.graphs if g.batch == 1]
+    assert rows and all(g.role == C.PREFILL and ".b1." in g.file for g in rows)
+    assert {g.tokens for g in rows} == set(entry.prefill_tokens())
+    report = check_bundle(g3.bundle_dir)
+    assert report.ok, report.render()
+    assert any("exact rows" in line for line in report.render().splitlines())
+    prompt = PROMPTS[1]  # three chunks and a tail
+    runs = g3.target.graph_runs
+    (res,) = g3.generate_batch([prompt], NEW, proposer="none", stop_ids=[])
+    assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    assert g3.target._row_steps and not any(role == C.PREFILL for role, _, _ in g3.target._steps)
+    assert g3.target.graph_runs - runs == -(-(len(prompt) - 1) // CHUNK) + NEW  # prefill chunks, then decode
+
+
 @pytest.fixture(scope="module")
 def draft_gens(tiny_models, tmp_path_factory):
     """The same pair with a one-layer layer draft (it reads the target's cache)."""

@@ -90,7 +90,7 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
     except Exception as e:  # protobuf raises DecodeError and friends on a truncated file
         report.add(False, f"{label}: not a readable ONNX file ({type(e).__name__}: {e})")
         return
-    dims = model.dims
+    dims = model.graph_dims(graph)
     ins, sym_in = _value_specs(proto.graph.input)
     outs, sym_out = _value_specs(proto.graph.output)
     problems = _compare("input", ins, C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context))
@@ -202,9 +202,10 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
         session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False, config=model.session_config)
+        dims = model.graph_dims(graph)
         feeds = {s.name: np.zeros(s.shape, dtype=s.dtype)
-                 for s in C.step_inputs(model.dims, graph.tokens, graph.step_mask, graph.context)}
-        outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(model.dims, graph.tokens, graph.role)}
+                 for s in C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context)}
+        outputs = {s.name: np.empty(s.shape, dtype=s.dtype) for s in C.step_outputs(dims, graph.tokens, graph.role)}
         session.bind(feeds, outputs)
         session.run()
         finite = all(np.isfinite(v).all() for v in outputs.values())

@@ -52,9 +52,11 @@ class _Driver:
         return keys, values
 
     def run(self, graph: GraphEntry, keys, values, tokens: np.ndarray, start: int, step_mask=None) -> dict:
-        """One run of `graph` on tokens [B, T] at slots start.., writing the new K/V into keys/values."""
-        d, T = self.dims, graph.tokens
-        key = (graph.role, T, graph.context, graph.step_mask)
+        """One run of `graph` on tokens [B, T] at slots start.., writing the new K/V into keys/values. A row
+        graph (batch 1) runs on the first row only."""
+        d, T = self.model.graph_dims(graph), graph.tokens
+        tokens, B = tokens[: d.batch], d.batch
+        key = (graph.role, T, graph.context, graph.step_mask, graph.batch)
         if key not in self.sessions:
             self.sessions[key] = self.backend.load(os.path.join(self.bundle, graph.file), self.weights,
                                                    prepack=True, config=self.model.session_config)
@@ -62,8 +64,8 @@ class _Driver:
                  C.POSITION_IDS: np.broadcast_to(np.arange(start, start + T), (d.batch, T)).copy(),
                  C.CACHE_LEN: np.full(d.batch, start, np.int64)}
         for i in range(d.num_layers):
-            feeds[C.past_key(i)] = np.ascontiguousarray(keys[i])
-            feeds[C.past_value(i)] = np.ascontiguousarray(values[i])
+            feeds[C.past_key(i)] = np.ascontiguousarray(keys[i, :B])
+            feeds[C.past_value(i)] = np.ascontiguousarray(values[i, :B])
         if graph.step_mask:
             feeds[C.STEP_MASK] = np.broadcast_to(np.tril(np.ones((T, T), bool)), (d.batch, T, T)).copy()
         outputs = {s.name: np.empty(s.shape, s.dtype) for s in C.step_outputs(d, T, graph.role)}
@@ -71,8 +73,8 @@ class _Driver:
         session.bind(feeds, outputs)
         session.run()
         for i in range(d.num_layers):
-            keys[i, :, :, start:start + T] = outputs[C.new_key(i)]
-            values[i, :, :, start:start + T] = outputs[C.new_value(i)]
+            keys[i, :B, :, start:start + T] = outputs[C.new_key(i)]
+            values[i, :B, :, start:start + T] = outputs[C.new_value(i)]
         return outputs
 
     def close(self):
@@ -90,7 +92,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
     covers the whole slot range the bucket's reductions run over."""
     d = model.dims
     driver = _Driver(bundle, model, backend, seed)
-    decode = {g.context: g for g in model.graphs if g.role == C.STEP and g.tokens == 1 and not g.step_mask}
+    decode = {g.context: g for g in model.batch_graphs if g.role == C.STEP and g.tokens == 1 and not g.step_mask}
     results = []
     try:
         for graph in model.graphs:
@@ -103,7 +105,8 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             k1, v1 = keys.copy(), values.copy()
             whole = driver.run(graph, keys, values, tokens, start)
             rows = [driver.run(decode[S], k1, v1, tokens[:, t:t + 1], start + t) for t in range(T)]
-            stacked = {name: np.concatenate([r[name] for r in rows], axis=2 if name != C.LOGITS else 1)
+            B = model.graph_dims(graph).batch  # a row graph is compared with the first row of the batch's steps
+            stacked = {name: np.concatenate([r[name][:B] for r in rows], axis=2 if name != C.LOGITS else 1)
                        for name in whole}
             results.append(RowsResult(graph, f"{T} one-token steps, S={S}", _max_diff(whole, stacked)))
         smallest = min(decode)

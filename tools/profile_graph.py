@@ -27,7 +27,7 @@ def profile(bundle: str, model: str, tokens: int, cache_len: int, runs: int, thr
 
     m = load_manifest(bundle).models[model]
     context = context or m.dims.context
-    graph = next(g for g in m.graphs if g.tokens == tokens and g.context == context)
+    graph = next(g for g in m.batch_graphs if g.tokens == tokens and g.context == context)
     _, weights = map_weights(os.path.join(bundle, m.weights),
                              read_index(os.path.join(bundle, weights_index_file(m.weights))))
     so = ort.SessionOptions()
