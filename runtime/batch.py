@@ -29,6 +29,7 @@ does for one sequence.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,7 @@ from ..graphs import contract as C
 from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
-from .draft_length import DraftLength
+from .draft_length import DraftLength, RateChoice
 from .generator import GenerationResult, check_gamma, check_request, check_vocab, shares_target_cache
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
@@ -84,6 +85,9 @@ class BatchRunner:
         self.draft = draft
         self.own_draft_cache = draft is not None and not isinstance(draft.cache, SharedKVCache)
         self.draft_history: list[list[int]] = [[] for _ in range(target.dims.batch)]  # own draft cache, per row
+        # Drafts of one row lengthen every row's verify step, so the batch measures what its rounds are worth
+        # with the rows' own draft lengths (None), at most one draft each (1), or none (0), and runs the best.
+        self.draft_cap = RateChoice((None, 1, 0))
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
@@ -204,8 +208,16 @@ class BatchRunner:
     def decode_step(self) -> dict[int, list[int]]:
         """One verify step for every running row whose prompt is in the cache; returns the tokens each row
         committed (after its stop and length cuts). A row that finishes gets its `reason`."""
+        began = time.perf_counter()
         target, capacity = self.target, self.target.cache.capacity
         ready = [b for b in self.active if not self.rows[b].prefill and not self.rows[b].draft_prefill]
+        # The cap applies to greedy rows with an adaptive draft length. A sampled row keeps its own, so that its
+        # random draws (drafts, then acceptances) stay those of its batch-1 run with the same seed; a row that
+        # asked for a fixed length (adaptive=False) gets it.
+        capped = {b for b in ready if self.rows[b].proposer != "none" and self.rows[b].length.adaptive
+                  and self.rows[b].params.greedy}
+        adaptive = bool(capped)
+        cap = self.draft_cap.choose() if adaptive else None
         steps = target.step_sizes
         feeds: list[list[int]] = [[] for _ in range(self.batch)]
         drafts: dict[int, list[int]] = {}
@@ -217,6 +229,8 @@ class BatchRunner:
                 self.finish(b, "context_full")
                 continue
             k = min(row.length.next(), row.max_new_tokens - len(row.output) - 1, max(steps) - 1, free - 1)
+            if cap is not None and b in capped:
+                k = min(k, cap)
             room = capacity - target.cache.used  # a step's T must fit the fullest row too
             while k > 0 and not any(k + 1 <= t <= room for t in steps):
                 k -= 1
@@ -261,6 +275,8 @@ class BatchRunner:
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
+        if adaptive:
+            self.draft_cap.update(cap, sum(map(len, committed.values())), time.perf_counter() - began)
         return committed
 
 

@@ -54,33 +54,49 @@ class DraftLength:
             self._next_pause = 2
 
 
-class TreeChoice:
+class RateChoice:
+    """Which of a few kinds of round to run next, from the committed tokens per second each has been worth.
+
+    Each option keeps a running rate (tokens committed per second of round time, decaying); every option is
+    measured once first, then the best is used and another tried once every `explore` rounds, so that a
+    change in the text (or, for a batch, in its rows) is seen. The choice only changes speed: every round is
+    exact whichever kind it is. Not adaptive: always the first option."""
+
+    def __init__(self, options, adaptive: bool = True, explore: int = 16, decay: float = 0.8):
+        self.options, self.adaptive, self.explore, self.decay = tuple(options), adaptive, explore, decay
+        self._rate = {o: None for o in self.options}
+        self._round = 0
+
+    def choose(self):
+        if not self.adaptive:
+            return self.options[0]
+        self._round += 1
+        untried = [o for o in self.options if self._rate[o] is None]
+        if untried:
+            return untried[0]
+        best = max(self.options, key=lambda o: self._rate[o])  # ties: the earlier option
+        if self._round % self.explore:
+            return best
+        others = [o for o in self.options if o != best]
+        return others[(self._round // self.explore) % len(others)]
+
+    def update(self, option, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self._rate[option]
+        self._rate[option] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
+class TreeChoice(RateChoice):
     """Whether the next round proposes a token tree or a plain chain, from what each has been worth.
 
     A tree verify step has more rows than the chain's and costs more (SmolLM2 int4 on 2 cores: T=12 18.4 ms
     against 15 ms for T=9 and 6.3 ms for T=1), and pays only when nodes off the chain are accepted often
-    enough. So both kinds of round keep a running rate of committed tokens per second of round time, and the
-    better one is used, the other tried once every `explore` rounds so that a change in the text is seen.
-    Like the draft length, the choice never changes the output: every round is exact whichever it is."""
+    enough."""
 
     def __init__(self, adaptive: bool = True, explore: int = 16, decay: float = 0.8):
-        self.adaptive, self.explore, self.decay = adaptive, explore, decay
-        self._rate = {True: None, False: None}  # tokens per second, tree rounds / chain rounds
-        self._round = 0
+        super().__init__((True, False), adaptive, explore, decay)
 
     def use_tree(self) -> bool:
-        if not self.adaptive:
-            return True
-        self._round += 1
-        tree, chain = self._rate[True], self._rate[False]
-        if tree is None or chain is None:  # measure both first
-            return tree is None
-        better = tree >= chain
-        return better if self._round % self.explore else not better
-
-    def update(self, tree: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        rate = tokens / seconds
-        old = self._rate[tree]
-        self._rate[tree] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        return self.choose()

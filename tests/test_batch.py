@@ -77,6 +77,19 @@ def test_rows_prefill_alone_through_row_graphs(gens):
     assert g3.target.graph_runs - runs == -(-(len(prompt) - 1) // CHUNK) + NEW  # prefill chunks, then decode
 
 
+def test_adaptive_greedy_batches_choose_their_draft_cap_and_stay_exact(gens):
+    """Greedy rows with an adaptive draft length: the batch measures its rounds with the rows' own draft
+    lengths, one draft each and none, and runs the best (a draft lengthens every row's step). Tokens stay
+    plain batch-1 greedy's whatever it picks."""
+    g1, g3 = gens
+    fresh = type(g3.runner.draft_cap)(g3.runner.draft_cap.options)
+    g3.runner.draft_cap = fresh
+    results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[])
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    assert all(rate is not None for rate in fresh._rate.values())  # every cap was measured
+
+
 @pytest.fixture(scope="module")
 def draft_gens(tiny_models, tmp_path_factory):
     """The same pair with a one-layer layer draft (it reads the target's cache)."""

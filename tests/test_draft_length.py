@@ -66,3 +66,18 @@ def test_tree_choice_follows_tokens_per_second():
         choice.update(tree, 6 if tree else 2, 0.010)
     picks = [choice.use_tree() for _ in range(20)]
     assert sum(picks) >= 17
+
+
+def test_rate_choice_measures_every_option_then_runs_the_best_and_explores_the_others():
+    from specedge.runtime.draft_length import RateChoice
+
+    assert RateChoice((None, 1, 0), adaptive=False).choose() is None
+    choice = RateChoice((None, 1, 0), explore=8)
+    worth = {None: 150.0, 1: 250.0, 0: 200.0}  # tokens per second of each kind of round
+    picks = []
+    for _ in range(80):
+        picks.append(choice.choose())
+        choice.update(picks[-1], 3, 3 / worth[picks[-1]])
+    assert picks[:3] == [None, 1, 0]
+    assert picks.count(1) >= 65  # the best
+    assert picks[3:].count(None) >= 2 and picks[3:].count(0) >= 2  # each other option is re-measured
