@@ -135,6 +135,7 @@ def flavour_record(opts: ExportOptions, calibration: dict | None = None) -> dict
         return {"precision": "qdq16", "activations": ACTIVATIONS, "weights": f"{WEIGHTS} symmetric, per output "
                 "channel (MatMul); per tensor elsewhere", "io": "float32 (QDQ inside the graph)",
                 "calibration": calibration, "soc_model": None, "backend": "htp", "mask_value": MASK_VALUE,
+                "float": "residual adds and RMSNorm statistics (fp16 on the HTP)",
                 "tool": "onnxruntime.quantization (get_qnn_qdq_config, MinMax)"}
     if opts.flavour != "qnn-fp16":
         return None

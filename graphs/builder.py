@@ -77,15 +77,18 @@ class GraphBuilder:
         return self.const(np.array(values, dtype=np.int64))
 
     # -- ops -----------------------------------------------------------------------------------------
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, **attrs):
-        """Add one node; returns its output name (`name` if given), or a list of names when outputs > 1."""
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, label: str | None = None,
+           **attrs):
+        """Add one node; returns its output name (`name` if given), or a list of names when outputs > 1.
+        `label` ends the node's name (n<i>_<op>_<label>): what a flavour's tools find the node by."""
         self._count += 1
         names = [f"{op_type.lower()}_{self._count}" + (f"_{k}" if outputs > 1 else "") for k in range(outputs)]
         if name is not None:
             names = [name]
         if op_type == "Split" and len(inputs) == 1 and self.opset >= 18:
             attrs.setdefault("num_outputs", outputs)  # equal parts: an attribute since opset 18
-        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=f"n{self._count}_{op_type}", **attrs))
+        node_name = f"n{self._count}_{op_type}" + (f"_{label}" if label else "")
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, **attrs))
         return names[0] if outputs == 1 else names
 
     def build(self) -> onnx.ModelProto:

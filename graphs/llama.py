@@ -40,6 +40,12 @@ FAMILIES = {
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
+# Node labels (GraphBuilder.op): the residual stream's adds and the RMSNorm statistics. SmolLM2's residual stream
+# holds a few channels near 2.5e4 next to values near 1, which no single 16-bit scale can hold, so the
+# qnn-qdq16 flavour leaves these nodes in float (fp16 on the HTP).
+RESIDUAL, NORM = "residual", "norm"
+
+
 class UnsupportedModel(ValueError):
     """The model is outside what this family definition can express."""
 
@@ -260,13 +266,15 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scaled: bool = False) -> str:
     if scaled:
         return _scaled_rms_norm(g, x, weight, eps, dtype)
-    # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm.
-    square = g.op("Pow", x, g.const(2.0, dtype))
+    # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm. The
+    # statistics are labelled NORM (the qnn-qdq16 flavour keeps them in float, see export/qdq.py).
+    square = g.op("Pow", x, g.const(2.0, dtype), label=NORM)
     if g.opset >= 18:  # axes became an input at opset 18
-        var = g.op("ReduceMean", square, g.ints(-1), keepdims=1)
+        var = g.op("ReduceMean", square, g.ints(-1), keepdims=1, label=NORM)
     else:
-        var = g.op("ReduceMean", square, axes=[-1], keepdims=1)
-    return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, g.const(eps, dtype)))), weight)
+        var = g.op("ReduceMean", square, axes=[-1], keepdims=1, label=NORM)
+    rms = g.op("Sqrt", g.op("Add", var, g.const(eps, dtype), label=NORM), label=NORM)
+    return g.op("Mul", g.op("Div", x, rms, label=NORM), weight)
 
 
 def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
@@ -426,12 +434,12 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
                        g.op("Unsqueeze", new_v, g.ints(3)))  # [B, Hkv, T, rep, D]: row t*rep + r times value t
             own = g.op("Reshape", own, g.ints(B, Hkv, T * rep, D))
         attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
-        x = g.op("Add", x, linear(from_rows(attn), p + "o"))
+        x = g.op("Add", x, linear(from_rows(attn), p + "o"), label=RESIDUAL)
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm)
         gate, up = g.op("Split", linear(h, p + "gate_up"), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        x = g.op("Add", x, linear(act, p + "down"))
+        x = g.op("Add", x, linear(act, p + "down"), label=RESIDUAL)
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)
