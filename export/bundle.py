@@ -183,7 +183,8 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
     if qdq:
         from .qdq import MASK_VALUE as mask_value
     llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
-                           quant=quant, scaled_norm=scaled_norm, mask_value=mask_value, same_ops=qdq)
+                           quant=quant, scaled_norm=scaled_norm, mask_value=mask_value, same_ops=qdq,
+                           matmul_head=qdq)
     mask = step_mask and role == C.STEP
     entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context, mask, rows),
                        context=context, step_mask=mask, batch=rows)
@@ -203,7 +204,8 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
         report = llama.QuantReport()
         refs = write_weights(os.path.join(bundle, weights),
                              llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
-                                                 native=src.blocks, report=report),
+                                                 native=src.blocks, report=report,
+                                                 matmul_head=opts.flavour == "qnn-qdq16"),
                              on_tensor=progress.update)
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
         if quant:
@@ -225,11 +227,11 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     for context in opts.buckets():
         for role, tokens, mask in plan:
             graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, mask, quant,
-                                       scaled_norm=opts.flavour == "qnn-fp16", qdq=opts.flavour == "qnn-qdq16"))
+                                       scaled_norm=opts.flavour in ("qnn-fp16", "qnn-qdq16"), qdq=opts.flavour == "qnn-qdq16"))
             progress.update(graphs[-1].file)
         for role, tokens in row_plan:
             graphs.append(_write_graph(bundle, name, cfg, dims, role, tokens, context, refs, weights, False, quant,
-                                       scaled_norm=opts.flavour == "qnn-fp16", qdq=opts.flavour == "qnn-qdq16",
+                                       scaled_norm=opts.flavour in ("qnn-fp16", "qnn-qdq16"), qdq=opts.flavour == "qnn-qdq16",
                                        rows=1))
             progress.update(graphs[-1].file)
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
@@ -272,7 +274,9 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the bundle should look like any directory
     quant = opts.quant_spec()
-    n_weights = len(llama.weight_names(target.config, quant)) + (len(llama.weight_names(draft.config, quant)) if draft else 0)
+    head = opts.flavour == "qnn-qdq16"
+    n_weights = len(llama.weight_names(target.config, quant, head)) + (len(llama.weight_names(draft.config, quant, head))
+                                                                       if draft else 0)
     n_prefill = len(opts.prefill_sizes())
     trees = set(opts.tree_sizes) - set(opts.target_steps())
     rows = n_prefill if opts.batch > 1 and not opts.prefill_logits else 0  # row prefill graphs per own-cache model

@@ -140,7 +140,7 @@ def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]
 MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer MatMul weights, stored [in, out]
 
 
-def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None) -> list[str]:
+def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None, matmul_head: bool = False) -> list[str]:
     """Every tensor of the weights file, in the order graph_weights yields them."""
     def matrix(name):
         return [name] if quant is None else [name + ".q", name + ".scale"]
@@ -156,7 +156,7 @@ def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None) -> list[str]:
             names.append(p + "qk_norm")
         names += matrix(p + "o") + [p + "mlp_norm"] + matrix(p + "gate_up") + matrix(p + "down")
     names.append("norm")
-    if quant is not None or not cfg.tie_word_embeddings:
+    if quant is not None or not cfg.tie_word_embeddings or matmul_head:
         names += matrix("lm_head")  # quantized bundles always store the head as a MatMul weight of its own
     return names
 
@@ -178,7 +178,8 @@ class QuantReport:
 
 def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
                   quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
-                  report: QuantReport | None = None) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
+                  report: QuantReport | None = None, matmul_head: bool = False
+                  ) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
     """Yield the graph's tensors, one at a time, from HF-named float32 tensors.
 
     `hf(name)` returns a tensor by its transformers name (e.g. "model.layers.0.self_attn.q_proj.weight").
@@ -258,6 +259,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     head = embed if cfg.tie_word_embeddings else "lm_head.weight"
     if quant is not None:
         yield from matrix("lm_head", [(head, one)], quant.head_bits)
+    elif matmul_head:  # a MatMul weight [hidden, V] of its own, tied or not (see build_step_graph)
+        yield from matrix("lm_head", [(head, one)])
     elif not cfg.tie_word_embeddings:
         yield "lm_head", hf(head).astype(np_dtype)
 
@@ -282,22 +285,24 @@ def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: st
     the same value in exact arithmetic. For fp16 compute (Qualcomm's HTP): real residual streams reach |x| ~ 2.5e4
     (SmolLM2), whose square overflows fp16 (max 65504) and turns the plain norm's output into zeros."""
     if g.opset >= 18:
-        peak = g.op("ReduceMax", g.op("Abs", x), g.ints(-1), keepdims=1)
+        peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), g.ints(-1), keepdims=1, label=NORM)
     else:
-        peak = g.op("ReduceMax", g.op("Abs", x), axes=[-1], keepdims=1)
-    peak = g.op("Add", peak, g.const(1e-3, dtype))  # a row of zeros stays zeros, not NaN
-    y = g.op("Div", x, peak)
+        peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), axes=[-1], keepdims=1, label=NORM)
+    peak = g.op("Add", peak, g.const(1e-3, dtype), label=NORM)  # a row of zeros stays zeros, not NaN
+    y = g.op("Div", x, peak, label=NORM)
     if g.opset >= 18:
-        var = g.op("ReduceMean", g.op("Mul", y, y), g.ints(-1), keepdims=1)  # in [1/D, 1]
+        var = g.op("ReduceMean", g.op("Mul", y, y, label=NORM), g.ints(-1), keepdims=1, label=NORM)  # in [1/D, 1]
     else:
-        var = g.op("ReduceMean", g.op("Mul", y, y), axes=[-1], keepdims=1)
-    tiny = g.op("Div", g.const(eps, dtype), g.op("Mul", peak, peak))  # eps/m^2; inf -> 0 where m^2 overflows
-    return g.op("Mul", g.op("Div", y, g.op("Sqrt", g.op("Add", var, tiny))), weight)
+        var = g.op("ReduceMean", g.op("Mul", y, y, label=NORM), axes=[-1], keepdims=1, label=NORM)
+    tiny = g.op("Div", g.const(eps, dtype), g.op("Mul", peak, peak, label=NORM), label=NORM)  # eps/m^2; 0 on overflow
+    rms = g.op("Sqrt", g.op("Add", var, tiny, label=NORM), label=NORM)
+    return g.op("Mul", g.op("Div", y, rms, label=NORM), weight)
 
 
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
                      step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None,
-                     scaled_norm: bool = False, mask_value: float | None = None, same_ops: bool = False) -> None:
+                     scaled_norm: bool = False, mask_value: float | None = None, same_ops: bool = False,
+                     matmul_head: bool = False) -> None:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
     role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
     with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row.
@@ -306,7 +311,10 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     quantized flavour needs one near the scores' own range, as the masked scores share their scale.
     `same_ops`: build a one-token step with the T > 1 ops too (scatter at slot cache_len), so every step graph of
     a model has the same nodes under the same names; the QDQ flavour gives each tensor one scale across them, and
-    a verify row then computes exactly like a decode step (what exact greedy speculation needs)."""
+    a verify row then computes exactly like a decode step (what exact greedy speculation needs).
+    `matmul_head`: the LM head is a MatMul weight `lm_head` [hidden, V] of its own even when tied (the QDQ
+    flavour: the HTP places a per-channel quantized MatMul, not a Gemm over the transposed embedding table
+    whose dequantized copy the embedding's Gather also reads)."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
@@ -443,7 +451,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)
-        if quant is not None:
+        if quant is not None or matmul_head:
             logits = linear(h, "lm_head")  # [B*T, V]
         else:
             head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")

@@ -101,11 +101,12 @@ def test_check_reports_placement_per_graph(qnn_fp16_bundle, tmp_path, capsys):
 
 # -- numbers -------------------------------------------------------------------------------------------------
 
-def teacher_forced(gen, cpu_gen) -> tuple[float, int, int]:
+def teacher_forced(gen, cpu_gen) -> tuple[float, int, int, float]:
     """The same prompt and tokens through both generators' targets, one-token and five-token steps: the
-    largest logit difference, the rows whose argmax agrees, and the rows."""
+    largest logit difference, the rows whose argmax agrees, the rows, and the widest margin by which the CPU
+    preferred its own argmax at a row that disagrees (0 when all agree)."""
     prompt = _prompt(3, 2 * CHUNK + 3)
-    worst, agree, rows = 0.0, 0, 0
+    worst, agree, rows, margin = 0.0, 0, 0, 0.0
     for g in (gen, cpu_gen):
         g.target.reset()
         g.target.prefill(prompt)
@@ -113,9 +114,12 @@ def teacher_forced(gen, cpu_gen) -> tuple[float, int, int]:
         got = gen.target.run(step).copy()
         want = cpu_gen.target.run(step)
         worst = max(worst, float(np.abs(got - want).max()))
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        same = got.argmax(-1) == want.argmax(-1)
+        agree += int(same.sum())
         rows += len(step)
-    return worst, agree, rows
+        for r in np.flatnonzero(~same):
+            margin = max(margin, float(want[r].max() - want[r, got[r].argmax()]))
+    return worst, agree, rows, margin
 
 
 @pytest.mark.parametrize("flavour", ["float32", "qnn-fp16"])
@@ -123,7 +127,7 @@ def test_logits_close_to_cpu_float32(flavour, tiny_bundle, qnn_fp16_bundle, cpu_
     """Teacher-forced through the runtime: the same prompt and tokens on both, one-token and five-token steps."""
     gen = Generator.load(tiny_bundle if flavour == "float32" else qnn_fp16_bundle, backend="qnn")
     try:
-        worst, agree, rows = teacher_forced(gen, cpu_gen)
+        worst, agree, rows, _ = teacher_forced(gen, cpu_gen)
         assert worst <= LOGITS_ATOL, worst
         assert agree == rows
     finally:
