@@ -13,14 +13,20 @@ B = 3
 NEW = 30
 
 
+def batch_pair(root, target: str, draft_path: str | None = None, **options):
+    """The same model exported with batch 1 and batch B (the same options otherwise): (Generator,
+    BatchGenerator)."""
+    bundles = []
+    for batch in (1, B):
+        bundles.append(str(root / f"b{batch}"))
+        export_bundle(target, bundles[-1], ExportOptions(context=128, prefill_chunk=CHUNK, batch=batch, **options),
+                      draft_path=draft_path, progress=False)
+    return Generator.load(bundles[0]), BatchGenerator.load(bundles[1])
+
+
 @pytest.fixture(scope="module")
 def gens(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    one, three = str(root / "b1"), str(root / "b3")
-    export_bundle(tiny_models["llama"][0], one, ExportOptions(context=128, prefill_chunk=CHUNK), progress=False)
-    export_bundle(tiny_models["llama"][0], three, ExportOptions(context=128, prefill_chunk=CHUNK, batch=B),
-                  progress=False)
-    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    g1, g3 = batch_pair(tmp_path_factory.mktemp("batch"), tiny_models["llama"][0])
     yield g1, g3
     g1.close()
     g3.close()
@@ -93,12 +99,7 @@ def test_adaptive_greedy_batches_choose_their_draft_cap_and_stay_exact(gens):
 @pytest.fixture(scope="module")
 def draft_gens(tiny_models, tmp_path_factory):
     """The same pair with a one-layer layer draft (it reads the target's cache)."""
-    root = tmp_path_factory.mktemp("batch_draft")
-    one, three = str(root / "b1"), str(root / "b3")
-    for path, batch in ((one, 1), (three, B)):
-        export_bundle(tiny_models["llama"][0], path, ExportOptions(context=128, prefill_chunk=CHUNK, batch=batch,
-                                                                   draft_layers=1), progress=False)
-    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    g1, g3 = batch_pair(tmp_path_factory.mktemp("batch_draft"), tiny_models["llama"][0], draft_layers=1)
     yield g1, g3
     g1.close()
     g3.close()
@@ -141,12 +142,7 @@ def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
 @pytest.fixture(scope="module")
 def pair_gens(tiny_models, tiny_near_draft_model, tmp_path_factory):
     """Target + a separate draft model (a perturbed copy: accepted often, not always), batch 1 and batch 3."""
-    root = tmp_path_factory.mktemp("batch_pair")
-    one, three = str(root / "b1"), str(root / "b3")
-    for path, batch in ((one, 1), (three, B)):
-        export_bundle(tiny_models["llama"][0], path, ExportOptions(context=128, prefill_chunk=CHUNK, batch=batch),
-                      draft_path=tiny_near_draft_model[0], progress=False)
-    g1, g3 = Generator.load(one), BatchGenerator.load(three)
+    g1, g3 = batch_pair(tmp_path_factory.mktemp("batch_pair"), tiny_models["llama"][0], tiny_near_draft_model[0])
     yield g1, g3
     g1.close()
     g3.close()
@@ -176,13 +172,7 @@ def test_draft_model_rows_catch_up_after_rounds_without_drafts(tiny_models, tiny
     """A poor draft (an unrelated one-layer model) makes the adaptive draft length pause, so rows come back
     to drafting with several tokens their draft cache has not seen: those are prefilled before the round,
     and every row still gives its batch-1 tokens."""
-    paths = {}
-    for name, batch in (("b1", 1), ("b3", B)):
-        paths[name] = str(tmp_path / name)
-        export_bundle(tiny_models["llama"][0], paths[name], ExportOptions(context=128, prefill_chunk=CHUNK,
-                                                                          batch=batch),
-                      draft_path=tiny_draft_model[0], progress=False)
-    g1, g3 = Generator.load(paths["b1"]), BatchGenerator.load(paths["b3"])
+    g1, g3 = batch_pair(tmp_path, tiny_models["llama"][0], tiny_draft_model[0])
     try:
         lagging, inside = [], []
         chunk, draft_round = g3.draft.prefill_chunk, g3.runner._draft_model_rows
