@@ -281,31 +281,16 @@ class BatchRunner:
 
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
-        """wanted[b] drafts for each row b from the layer draft, into drafts[b]: one batched one-token step per
-        draft position (position j feeds each row's token j-1, the pending one first; a row with fewer drafts
-        is idle), so each row drafts what it drafts at batch 1. Returns each row's draft distributions q
-        [k, V] (None when greedy)."""
+        """wanted[b] drafts for each row b from the layer draft, into drafts[b]; every row starts at the
+        target's valid length. Returns each row's draft distributions q [k, V] (None when greedy)."""
         self.target.reserve(max(wanted.values()) + 1)  # the verify step's bucket, before draft entries exist
-        self.draft.cache.follow()  # every row starts at the target's valid length
-        last = {b: self.rows[b].context[-1] for b in wanted}
-        probs: dict[int, list] = {b: [] for b in wanted}
-        for j in range(max(wanted.values())):
-            feeds = [[last[b]] if wanted.get(b, 0) > j else [] for b in range(self.batch)]
-            logits = self.draft.run_rows(feeds)  # [B, 1, V]
-            for b, k in wanted.items():
-                if j < k:
-                    token, q = self.rows[b].sampler.draft_from(logits[b, 0])
-                    drafts[b].append(token)
-                    probs[b].append(q)
-                    last[b] = token
-        return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
-
+        self.draft.cache.follow()
+        return self._draft_positions(wanted, {b: [self.rows[b].context[-1]] for b in wanted}, drafts)
 
     def _draft_model_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]],
                           rows: list[int]) -> dict[int, np.ndarray | None]:
         """The own-cache draft model's round for `rows` (every row that drafts with it, wanted[b] tokens or
-        none): each feeds what its cache lacks plus the pending token (a long catch-up is prefilled first),
-        then one batched step per draft position."""
+        none): each feeds what its cache lacks plus the pending token (a long catch-up is prefilled first)."""
         draft = self.draft
         for b in rows:
             row = self.rows[b]
@@ -321,13 +306,19 @@ class BatchRunner:
             for b, n in enumerate(draft.prefill_chunk(lag)):
                 if n:
                     self.rows[b].draft_feed = self.rows[b].draft_feed[n:]
-        feeds = [self.rows[b].draft_feed if b in wanted else [] for b in range(self.batch)]
-        logits = draft.run_rows(feeds)  # [B, T, V]
+        return self._draft_positions(wanted, {b: self.rows[b].draft_feed for b in wanted}, drafts)
+
+    def _draft_positions(self, wanted: dict[int, int], first: dict[int, list[int]],
+                         drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
+        """One batched draft step per draft position: position 0 feeds each row `first[b]`, position j its
+        draft j-1 (a row with fewer drafts is idle), so each row drafts what it drafts at batch 1. Appends to
+        drafts[b]; returns each row's draft distributions q [k, V] (None when greedy)."""
         probs: dict[int, list] = {b: [] for b in wanted}
+        feeds = [first[b] if b in wanted else [] for b in range(self.batch)]
         for j in range(max(wanted.values())):
             if j:
                 feeds = [[drafts[b][-1]] if wanted.get(b, 0) > j else [] for b in range(self.batch)]
-                logits = draft.run_rows(feeds)
+            logits = self.draft.run_rows(feeds)  # [B, T, V]
             for b, k in wanted.items():
                 if j < k:
                     token, q = self.rows[b].sampler.draft_from(logits[b, len(feeds[b]) - 1])

@@ -82,22 +82,17 @@ class KVCache:
         """Per row b, store the first counts[b] entries of a step's new K/V ([B, H_kv, T, D] each) after that
         row's valid ones."""
         for b, n in enumerate(counts):
-            start = int(self.length[b])
-            if start + n > self.bucket:
-                raise ValueError(f"cache overflow in row {b}: {start} + {n} > bucket {self.bucket}")
-            if n:
-                for buf, new in zip(self.keys + self.values, new_keys + new_values):
-                    buf[b, :, start:start + n] = new[b, :, :n]
-            self.length[b] = start + n
+            self.append_row(b, [k[b:b + 1] for k in new_keys], [v[b:b + 1] for v in new_values], n)
 
     def append_row(self, row: int, new_keys: list[np.ndarray], new_values: list[np.ndarray], n: int) -> None:
-        """Store the first n entries of a batch-1 step's new K/V ([1, H_kv, T, D] each) after row `row`'s
+        """Store the first n entries of a one-row step's new K/V ([1, H_kv, T, D] each) after row `row`'s
         valid ones."""
         start = int(self.length[row])
         if start + n > self.bucket:
             raise ValueError(f"cache overflow in row {row}: {start} + {n} > bucket {self.bucket}")
-        for buf, new in zip(self.keys + self.values, new_keys + new_values):
-            buf[row, :, start:start + n] = new[0, :, :n]
+        if n:
+            for buf, new in zip(self.keys + self.values, new_keys + new_values):
+                buf[row, :, start:start + n] = new[0, :, :n]
         self.length[row] = start + n
 
     def move_entry(self, src: int, dst: int) -> None:

@@ -205,12 +205,15 @@ class ModelRunner:
             step.step_mask[0, :n, :n] = tree.sees
         elif step.step_mask is not None:  # a tree may have run in this graph last
             step.step_mask[:] = step.causal
-        began = time.perf_counter()
-        step.session.run()
-        self.graph_seconds += time.perf_counter() - began
-        self.graph_runs += 1
+        self._run(step.session)
         self.cache.append(step.new_keys, step.new_values, counts)
         return step
+
+    def _run(self, session) -> None:
+        began = time.perf_counter()
+        session.run()
+        self.graph_seconds += time.perf_counter() - began
+        self.graph_runs += 1
 
     def reserve(self, n: int, tree: bool = False) -> None:
         """Move the cache now to the bucket that a run of n tokens (a tree of n rows) will use (see
@@ -299,14 +302,12 @@ class ModelRunner:
         """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
         return self.entry.row_prefill_tokens()
 
-    def warm_rows(self, reach: int | None = None) -> None:
-        """Create the row prefill sessions of every bucket (up to the one holding `reach` slots)."""
+    def warm_rows(self) -> None:
+        """Create the row prefill sessions of every bucket."""
         for context in self.entry.buckets():
             for t in self.row_prefill_sizes:
                 if self.entry.row_graph(t, context):
                     self._row_step(t, context)
-            if reach is not None and context >= reach:
-                break
 
     def prefill_row(self, row: int, tokens: list[int]) -> int:
         """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the
@@ -323,10 +324,7 @@ class ModelRunner:
         step.input_ids[0, :n] = tokens[:n]
         step.input_ids[0, n:] = 0
         step.position_ids[0] = np.arange(start, start + T)
-        began = time.perf_counter()
-        step.session.run()
-        self.graph_seconds += time.perf_counter() - began
-        self.graph_runs += 1
+        self._run(step.session)
         self.cache.append_row(row, step.new_keys, step.new_values, n)
         return n
 
