@@ -80,10 +80,13 @@ class GraphBuilder:
     def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str | None = None, label: str | None = None,
            **attrs):
         """Add one node; returns its output name (`name` if given), or a list of names when outputs > 1.
-        `label` ends the node's name (n<i>_<op>_<label>): what a flavour's tools find the node by."""
+        `name` may also be a list with an entry per output (None: a generated name), for a node whose outputs
+        are graph outputs. `label` ends the node's name (n<i>_<op>_<label>): what a flavour's tools find the node by."""
         self._count += 1
         names = [f"{op_type.lower()}_{self._count}" + (f"_{k}" if outputs > 1 else "") for k in range(outputs)]
-        if name is not None:
+        if isinstance(name, (list, tuple)):
+            names = [given or generated for given, generated in zip(name, names)]
+        elif name is not None:
             names = [name]
         if op_type == "Split" and len(inputs) == 1 and self.opset >= 18:
             attrs.setdefault("num_outputs", outputs)  # equal parts: an attribute since opset 18

@@ -330,7 +330,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     # Attention rows: query head h = kv*rep + r of step token t reads kv head kv (transformers' repeat_kv
     # order) and sits at row t*rep + r of a [B, H_kv, T*rep, D] block, so each kv head is one plain MatMul.
     # For T = 1 every layout change below is a Reshape, never a Transpose.
-    def to_rows(q):  # [B, T, H, D] -> [B, Hkv, T*rep, D]
+    def to_rows(q):  # [B, T, H, D] (or [B, H, 1, D]: the same order) -> [B, Hkv, T*rep, D]
         if multi:
             q = g.op("Transpose", g.op("Reshape", q, g.ints(B, T, Hkv, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", q, g.ints(B, Hkv, T * rep, D))
@@ -340,26 +340,26 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             x = g.op("Transpose", g.op("Reshape", x, g.ints(B, Hkv, T, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", x, g.ints(B * T, H * D))
 
-    def linear(x, weight):  # [B*T, in] @ [in, out]; MatMul beat Gemm in place, at 1 and at 9 rows
+    def linear(x, weight, name=None):  # [B*T, in] @ [in, out]; MatMul beat Gemm in place, at 1 and at 9 rows
         if quant is None:
-            return g.op("MatMul", x, g.weight(weight))
+            return g.op("MatMul", x, g.weight(weight), name=name)
         # Standard-domain weight-only quantization; onnxruntime fuses the pair into MatMulNBits.
         w = g.op("DequantizeLinear", g.weight(weight + ".q"), g.weight(weight + ".scale"), axis=0,
                  block_size=quant.block)
-        return g.op("MatMul", x, w)
+        return g.op("MatMul", x, w, name=name)
 
     def embedding(ids):  # [B, T] -> [B*T, E]
         if quant is None:
             return g.op("Reshape", g.op("Gather", g.weight("embed"), ids, axis=0), g.ints(B * T, E))
-        flat = g.op("Reshape", ids, g.ints(B * T))
-        rows = g.op("Gather", g.weight("embed.q"), flat, axis=0)  # int8 [B*T, E]
-        scales = g.op("Gather", g.weight("embed.scale"), flat, axis=0)  # [B*T, E/block]
-        return g.op("DequantizeLinear", rows, scales, axis=1, block_size=quant.block)
+        rows = g.op("Gather", g.weight("embed.q"), ids, axis=0)  # int8 [B, T, E]
+        scales = g.op("Gather", g.weight("embed.scale"), ids, axis=0)  # [B, T, E/block]
+        # The Reshape is the dequantized rows' only reader: onnxruntime gives every reader of a DequantizeLinear
+        # a copy of it, and two copies feeding the first RMSNorm would keep it from fusing into one kernel.
+        x = g.op("DequantizeLinear", rows, scales, axis=2, block_size=quant.block)
+        return g.op("Reshape", x, g.ints(B * T, E))
 
     def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
-        if multi:
-            return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
-        return g.op("Reshape", x, g.ints(B, Hkv, T, D), name=name)
+        return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
 
     # Attention is position-consistent: the query at cache slot p reduces over the same vector, in the same
     # order, whether it runs in a one-token decode step or as row i of a T-token verify step (p = cache_len
@@ -413,14 +413,21 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         qkv = linear(h, p + "qkv")
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
-        qkv = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D))
-        qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=2, outputs=2)  # q and k get RoPE together
-        if cfg.qk_norm:
-            qk = _rms_norm(g, qk, g.weight(p + "qk_norm"), cfg.rms_norm_eps, dt, scaled_norm)
+        qk_norm = g.weight(p + "qk_norm") if cfg.qk_norm else None
+        if multi:  # [B, T, heads, D]; the new K/V are transposed into the contract's layout
+            qkv, heads = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D)), 2
+            kv_names = (None, None)
+        else:  # T = 1: [B, heads, 1, D] is the contract's K/V layout already, so the Splits write the outputs
+            qkv, heads = g.op("Reshape", qkv, g.ints(B, H + 2 * Hkv, 1, D)), 1
+            kv_names = (C.new_key(i), C.new_value(i))
+            qk_norm = qk_norm and g.op("Reshape", qk_norm, g.ints(H + Hkv, 1, D))
+        qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=heads, outputs=2, name=(None, kv_names[1]))
+        if cfg.qk_norm:  # q and k get the norm and RoPE together
+            qk = _rms_norm(g, qk, qk_norm, cfg.rms_norm_eps, dt, scaled_norm)
         qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("MatMul", qk, swap), sin))
-        q, k = g.op("Split", qk, g.ints(H, Hkv), axis=2, outputs=2)
-        new_k = per_head(k, C.new_key(i))  # [B, Hkv, T, D]
-        new_v = per_head(v, C.new_value(i))
+        q, k = g.op("Split", qk, g.ints(H, Hkv), axis=heads, outputs=2, name=(None, kv_names[0]))
+        new_k = per_head(k, C.new_key(i)) if multi else k  # [B, Hkv, T, D]
+        new_v = per_head(v, C.new_value(i)) if multi else v
         g.declare_output(out_specs[C.new_key(i)])
         g.declare_output(out_specs[C.new_value(i)])
 
@@ -451,13 +458,12 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)
-        if quant is not None or matmul_head:
-            logits = linear(h, "lm_head")  # [B*T, V]
+        name = C.LOGITS if dt == "float32" else None  # else a Cast makes the contract's float32 logits
+        if quant is not None or matmul_head:  # [B, T, E] in, [B, T, V] out: reshaping h costs less than the logits
+            logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name)
         else:
             head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
-            logits = g.op("Gemm", h, head, transB=1)  # [B*T, V]
-        if dt == "float32":
-            g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=C.LOGITS)
-        else:  # the contract's logits are float32
-            g.op("Cast", g.op("Reshape", logits, g.ints(B, T, dims.vocab_size)), to=1, name=C.LOGITS)
+            logits = g.op("Reshape", g.op("Gemm", h, head, transB=1), g.ints(B, T, dims.vocab_size), name=name)
+        if name is None:
+            g.op("Cast", logits, to=1, name=C.LOGITS)
         g.declare_output(out_specs[C.LOGITS])
