@@ -359,7 +359,9 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         return g.op("Reshape", x, g.ints(B * T, E))
 
     def per_head(x, name):  # [B, T, Hkv, D] -> [B, Hkv, T, D], the contract's new K/V layout
-        return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
+        if multi:
+            return g.op("Transpose", x, perm=[0, 2, 1, 3], name=name)
+        return g.op("Reshape", x, g.ints(B, Hkv, T, D), name=name)
 
     # Attention is position-consistent: the query at cache slot p reduces over the same vector, in the same
     # order, whether it runs in a one-token decode step or as row i of a T-token verify step (p = cache_len
@@ -395,15 +397,22 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         own_col = g.const(np.broadcast_to(np.repeat(np.arange(T, dtype=np.int64), rep).reshape(1, 1, T * rep, 1),
                                           (B, Hkv, T * rep, 1)).copy())  # row t*rep + r -> step token t
 
-    # RoPE tables at the step's positions: [B, T, 1, D], broadcast over heads. rotate_half is a constant
-    # [D, D] permutation MatMul (exact: one nonzero term per output), the sign lives in the sin table.
-    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))
+    # RoPE as one MatMul per layer: x @ R_p, where R_p [D, D] holds cos_p on the diagonal and the signed sin_p
+    # where rotate_half takes its input (output i < D/2 reads x[i + D/2], output i >= D/2 reads x[i - D/2]).
+    # R [B, T, D, D] is built once per step from the tables at the step's positions and broadcast over heads;
+    # each output sums two nonzero products, the same way at every T (`specedge check` verifies the rows).
+    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))  # [B, T, 1, D]
     sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin"), position_ids, axis=0), g.ints(2))
     half = D // 2
     swap = np.zeros((D, D), dtype=dt)
-    swap[np.arange(half) + half, np.arange(half)] = 1  # output i < D/2 takes x[i + D/2]
-    swap[np.arange(half), np.arange(half) + half] = 1  # output i >= D/2 takes x[i - D/2]
-    swap = g.const(swap)
+    swap[np.arange(half) + half, np.arange(half)] = 1
+    swap[np.arange(half), np.arange(half) + half] = 1
+    rotation = g.op("Add", g.op("Mul", g.const(np.eye(D, dtype=dt)), cos), g.op("Mul", g.const(swap), sin))
+    # The rotation's MatMul must see the same rows at every T: all heads of one token, one [heads, D] x [D, D]
+    # product. A T > 1 step has that layout ([B, T, heads, D]); a one-token step of batch 1 may put the heads
+    # first, [1, heads, 1, D], the contract's K/V layout (no Reshape per output), which onnxruntime folds into
+    # the same product. With B > 1 it would run one-row products per head instead, which round differently.
+    heads_first = not multi and B == 1
 
     # The residual stream is 2-D, [B*T, E]: every weight product is a plain 2-D MatMul or Gemm.
     x = embedding(input_ids)
@@ -414,20 +423,20 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
         qk_norm = g.weight(p + "qk_norm") if cfg.qk_norm else None
-        if multi:  # [B, T, heads, D]; the new K/V are transposed into the contract's layout
+        if not heads_first:  # [B, T, heads, D]; the new K/V are transposed into the contract's layout
             qkv, heads = g.op("Reshape", qkv, g.ints(B, T, H + 2 * Hkv, D)), 2
             kv_names = (None, None)
-        else:  # T = 1: [B, heads, 1, D] is the contract's K/V layout already, so the Splits write the outputs
+        else:  # [1, heads, 1, D] is the contract's K/V layout already, so the Splits write the outputs
             qkv, heads = g.op("Reshape", qkv, g.ints(B, H + 2 * Hkv, 1, D)), 1
             kv_names = (C.new_key(i), C.new_value(i))
             qk_norm = qk_norm and g.op("Reshape", qk_norm, g.ints(H + Hkv, 1, D))
         qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=heads, outputs=2, name=(None, kv_names[1]))
         if cfg.qk_norm:  # q and k get the norm and RoPE together
             qk = _rms_norm(g, qk, qk_norm, cfg.rms_norm_eps, dt, scaled_norm)
-        qk = g.op("Add", g.op("Mul", qk, cos), g.op("Mul", g.op("MatMul", qk, swap), sin))
+        qk = g.op("MatMul", qk, rotation)
         q, k = g.op("Split", qk, g.ints(H, Hkv), axis=heads, outputs=2, name=(None, kv_names[0]))
-        new_k = per_head(k, C.new_key(i)) if multi else k  # [B, Hkv, T, D]
-        new_v = per_head(v, C.new_value(i)) if multi else v
+        new_k = k if heads_first else per_head(k, C.new_key(i))  # [B, Hkv, T, D]
+        new_v = v if heads_first else per_head(v, C.new_value(i))
         g.declare_output(out_specs[C.new_key(i)])
         g.declare_output(out_specs[C.new_value(i)])
 
