@@ -123,8 +123,8 @@ def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
 def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed sin tables [context, D], one row per position.
 
-    rotate_half(x) = concat(-x2, x1); we compute it as swap_halves(x) * [-sin, sin], so the sign lives in the
-    table. Angles are float32 products like transformers', cos/sin are rounded from float64.
+    rotate_half(x) = concat(-x2, x1), so x*cos + rotate_half(x)*sin = x*cos + swap_halves(x)*[-sin, sin]: the
+    sign lives in the table, and the step graph's rotation matrix holds these signed values off its diagonal. Angles are float32 products like transformers', cos/sin are rounded from float64.
     """
     inv, scale = rope_inv_freq(cfg, context)
     angles = np.arange(context, dtype=np.float32)[:, None] * inv[None, :]  # float32 products, as in torch
