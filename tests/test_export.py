@@ -233,3 +233,16 @@ def test_smollm2_bundle_stores_weights_once(smollm2_bundle):
     assert len(m.target.graphs) + len(m.draft.graphs) == (7 + 4) * 6
     r = specedge("check", smollm2_bundle)
     assert r.returncode == 0, r.stdout
+
+
+def test_default_buckets_are_fine_for_short_caches():
+    from specedge.export.bundle import default_buckets
+
+    # every 128 slots up to 512 (a step attends over its whole bucket), then every quarter of the context
+    assert default_buckets(1024, 64) == [128, 256, 384, 512, 768, 1024]
+    assert default_buckets(2048, 64) == [128, 256, 384, 512, 1024, 1536, 2048]
+    assert default_buckets(300, 64) == [128, 256, 300]
+    # never finer than the prefill chunk, never past the context
+    assert default_buckets(1024, 256) == [256, 512, 768, 1024]
+    assert default_buckets(128, 64) == [128]
+    assert default_buckets(64, 32) == [64]
