@@ -124,7 +124,8 @@ def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]
     """cos and signed sin tables [context, D], one row per position.
 
     rotate_half(x) = concat(-x2, x1), so x*cos + rotate_half(x)*sin = x*cos + swap_halves(x)*[-sin, sin]: the
-    sign lives in the table, and the step graph's rotation matrix holds these signed values off its diagonal. Angles are float32 products like transformers', cos/sin are rounded from float64.
+    sign lives in the table, and the step graph's rotation matrix holds these signed values off its diagonal.
+    Angles are float32 products like transformers', cos/sin are rounded from float64.
     """
     inv, scale = rope_inv_freq(cfg, context)
     angles = np.arange(context, dtype=np.float32)[:, None] * inv[None, :]  # float32 products, as in torch
