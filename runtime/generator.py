@@ -116,17 +116,15 @@ class Generator:
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
         (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. With the
         `prompt` length (and `new` tokens) known, only the context buckets the run can reach get sessions:
-        prefill graphs in the one bucket that holds the whole prefill (ModelRunner.prefill), step graphs from
-        there to the prompt's end (a graph's padding rows need slots too, so its width is added). Sessions are
-        kept."""
+        prefill graphs up to the prompt, step graphs from the prompt to its end (a graph's padding rows need
+        slots too, so its width is added). Sessions are kept."""
         def runner_warm(runner, prefill, steps, trees=()):
             if prompt is None:
                 runner.warm(prefill + steps, trees)
                 return
             widest = max([t for _, t in steps] + list(trees))
-            bucket = runner.prefill_bucket(prompt - 1)
-            runner.warm(prefill, start=bucket, reach=bucket)
-            runner.warm(steps, trees, start=max(prompt - 1, bucket), reach=prompt + new + widest)
+            runner.warm(prefill, reach=runner.prefill_reach(prompt - 1))
+            runner.warm(steps, trees, start=prompt - 1, reach=prompt + new + widest)
 
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]
         steps = self.target.use_steps([1] + ([gamma + 1] if proposer != "none" else []))

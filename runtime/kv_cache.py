@@ -72,11 +72,10 @@ class KVCache:
         if bucket < self.bucket or bucket not in self.buckets:
             raise ValueError(f"cannot move the cache from bucket {self.bucket} to {bucket}")
         n = self.used
-        if n:  # an empty cache moves without touching (or allocating) the old bucket's buffers
-            old_k, old_v = self.buffers(self.bucket)
-            new_k, new_v = self.buffers(bucket)
-            for src, dst in zip(old_k + old_v, new_k + new_v):
-                dst[:, :, :n] = src[:, :, :n]
+        old_k, old_v = self.buffers(self.bucket)
+        new_k, new_v = self.buffers(bucket)
+        for src, dst in zip(old_k + old_v, new_k + new_v):
+            dst[:, :, :n] = src[:, :, :n]
         self._bucket = bucket
         self.promotions += 1
 

@@ -259,27 +259,17 @@ class ModelRunner:
                 self.cache.move_entry(base + 1 + node, base + depth)
         self.cache.set_length(base + 1 + len(path))
 
-    def prefill_reach(self, n: int, start: int = 0) -> int:
-        """The cache slots a prefill of n tokens after `start` valid entries spans, its last graph's padding
-        included."""
-        done, reach = 0, start
+    def prefill_reach(self, n: int) -> int:
+        """The cache slots a prefill of n tokens into an empty cache spans, its last graph's padding included."""
+        done = reach = 0
         while done < n:
-            _, T = self._prefill_plan(n - done, self.cache.capacity - start - done)
-            reach = max(reach, start + done + T)
+            _, T = self._prefill_plan(n - done, self.cache.capacity - done)
+            reach = max(reach, done + T)
             done += min(T, n - done)
         return reach
 
-    def prefill_bucket(self, n: int, start: int = 0) -> int:
-        """The bucket a prefill of n tokens after `start` valid entries runs in: the one that holds all of it."""
-        reach = self.prefill_reach(n, start)
-        return next((b for b in self.cache.buckets if b >= reach), self.cache.buckets[-1])
-
     def prefill(self, tokens) -> None:
-        """Fill the cache with tokens in the fewest graph runs; no logits are kept. The cache first moves to the
-        bucket that holds the whole prefill, so every chunk runs in that one bucket: one set of prefill
-        sessions and KV buffers and no promotion copies, where climbing bucket by bucket would load the prefill
-        graphs of each. A chunk's attention over the extra padded slots is small next to its weight products."""
-        self.cache.use_bucket(max(self.cache.bucket, self.prefill_bucket(len(tokens), self.cache.used)))
+        """Fill the cache with tokens in the fewest graph runs; no logits are kept."""
         done = 0
         while done < len(tokens):
             role, T = self._prefill_plan(len(tokens) - done)
