@@ -51,11 +51,11 @@ def main() -> int:
         results = {(n, p): [] for n in gens for p, _ in PROPOSERS}
         for g in gens.values():  # warm-up: sessions created before anything is timed
             for p, gamma in PROPOSERS:
-                g.generate(ids, 8, proposer=p, gamma=gamma, stop_ids=[])
+                g.generate(ids, 8, proposer=p, gamma=gamma, min_new_tokens=8)
         for _ in range(a.repeats):
             for name, g in gens.items():
                 for p, gamma in PROPOSERS:
-                    s = g.generate(ids, a.max_new_tokens, proposer=p, gamma=gamma, stop_ids=[]).stats
+                    s = g.generate(ids, a.max_new_tokens, proposer=p, gamma=gamma, min_new_tokens=a.max_new_tokens).stats
                     results[(name, p)].append((s.tokens_per_s, s.ttft_ms, s.itl_ms))
         for g in gens.values():
             g.close()

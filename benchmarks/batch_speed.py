@@ -38,17 +38,17 @@ def main() -> int:
     prompts = [g1.tokenizer.apply_chat_template(i["messages"]) for i in items]
     rows = []
     for proposer in a.proposers.split(","):  # one untimed run each first: sessions are created on first use
-        g1.generate(prompts[0], 4, proposer=proposer, gamma=a.gamma, stop_ids=[])
-        gb.generate_batch(prompts, 4, proposer=proposer, gamma=a.gamma, stop_ids=[])
+        g1.generate(prompts[0], 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
+        gb.generate_batch(prompts, 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
     for proposer in a.proposers.split(","):
         t1, tb, identical = [], [], True
         for _ in range(a.repeats):
             began = time.perf_counter()
-            singles = [g1.generate(q, a.max_new_tokens, proposer=proposer, gamma=a.gamma, stop_ids=[]).tokens
+            singles = [g1.generate(q, a.max_new_tokens, proposer=proposer, gamma=a.gamma, min_new_tokens=a.max_new_tokens).tokens
                        for q in prompts]
             t1.append(time.perf_counter() - began)
             began = time.perf_counter()
-            batch = gb.generate_batch(prompts, a.max_new_tokens, proposer=proposer, gamma=a.gamma, stop_ids=[])
+            batch = gb.generate_batch(prompts, a.max_new_tokens, proposer=proposer, gamma=a.gamma, min_new_tokens=a.max_new_tokens)
             tb.append(time.perf_counter() - began)
             identical &= [r.tokens for r in batch] == singles
         tokens = len(prompts) * a.max_new_tokens

@@ -40,11 +40,12 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, RateChoice
-from .generator import GenerationResult, check_gamma, check_request, check_vocab, shares_target_cache
+from .generator import (GenerationResult, check_gamma, check_min_new_tokens, check_request, check_vocab,
+                        shares_target_cache)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import Sampler, ngram_lookup
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
@@ -70,6 +71,7 @@ class Row:
     context: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     reason: str = ""  # why it finished ("" while it runs)
+    min_new_tokens: int = 0  # the stop ids are held back until the output has this many tokens
     # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
     draft_prefill: list[int] = field(default_factory=list)  # prompt tokens its cache still lacks
     draft_behind: list[int] = field(default_factory=list)  # committed tokens it lacks, the pending one excluded
@@ -118,10 +120,12 @@ class BatchRunner:
 
     def admit(self, b: int, prompt: list[int], max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-              stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4), adaptive: bool = True) -> Row:
+              stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4), adaptive: bool = True,
+              min_new_tokens: int = 0) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = [int(t) for t in prompt]
         params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
+        check_min_new_tokens(min_new_tokens)
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is busy")
         self.warm(gamma if proposer != "none" else 0)
@@ -136,7 +140,8 @@ class BatchRunner:
         row = Row(prompt, max_new_tokens, proposer, gamma, params, rng,
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
-                  Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt))
+                  Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt),
+                  min_new_tokens=min_new_tokens)
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)
@@ -251,6 +256,8 @@ class BatchRunner:
         for b, d in drafts.items():
             row = self.rows[b]
             rows_b = logits[b, :len(d) + 1]
+            if len(row.output) < row.min_new_tokens:  # row j chooses new token len(output) + j
+                rows_b = hold_back(rows_b, len(row.output) + np.arange(len(d) + 1), row.min_new_tokens, sorted(row.stop))
             if row.params.greedy:
                 accepted, token = accept_greedy(np.asarray(d, np.int64), rows_b)
             else:
@@ -384,7 +391,7 @@ class BatchGenerator:
     def generate_batch(self, prompts, max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
-                       adaptive: bool = True) -> list[GenerationResult]:
+                       adaptive: bool = True, min_new_tokens: int = 0) -> list[GenerationResult]:
         """Generate for up to B prompts in one batch; returns one GenerationResult per prompt, in order. Row b
         samples with seed + b."""
         if not 1 <= len(prompts) <= self.batch:
@@ -397,7 +404,7 @@ class BatchGenerator:
         self.target.reset()
         for b, p in enumerate(prompts):
             runner.admit(b, p, max_new_tokens, proposer, gamma, temperature, top_k, top_p,
-                         None if seed is None else seed + b, stop_ids, ngram, adaptive)
+                         None if seed is None else seed + b, stop_ids, ngram, adaptive, min_new_tokens)
         while runner.prefill_step():
             pass
         while runner.active:

@@ -30,7 +30,7 @@ from .draft_length import DraftLength, TreeChoice
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
 from .proposers import DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
@@ -151,7 +151,7 @@ class Generator:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
                ngram: tuple[int, int] = (2, 4), adaptive: bool = True, reuse: bool = False,
-               tree: int = 0) -> Iterator[list[int]]:
+               tree: int = 0, min_new_tokens: int = 0) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -161,14 +161,19 @@ class Generator:
 
         `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling.
         `reuse` keeps the cached prefix that the last generation (or a restored session) shares with this
-        prompt and prefills only the rest; the output is the same as without it (runtime/session.py)."""
+        prompt and prefills only the rest; the output is the same as without it (runtime/session.py).
+
+        `min_new_tokens` holds the stop ids back (probability 0) until the output has that many tokens, as
+        HF's `min_new_tokens`; benchmarks use it to make every run exactly max_new_tokens long."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
+        check_min_new_tokens(min_new_tokens)
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
+        held = sorted(stop)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         tree = tree if proposer != "none" else 0
@@ -209,6 +214,8 @@ class Generator:
                 base = target.cache.used
                 if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+                    if emitted < min_new_tokens:  # row j chooses new token emitted + j
+                        logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, held)
                     t2 = time.perf_counter()
                     if params.greedy:
                         n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
@@ -221,8 +228,9 @@ class Generator:
                     length.update(len(proposal.tokens), n_accepted)
                     accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
+                    hold = (emitted, min_new_tokens, held)
                     accepted, next_token, depth = self._verify_tree(proposal, context[-1], base, params, sampler,
-                                                                    drafter, length, stats)
+                                                                    drafter, length, stats, hold)
                     t2 = time.perf_counter()
                 new = accepted + [int(next_token)]
                 for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
@@ -250,12 +258,16 @@ class Generator:
             stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
             stats.finish(reason or ("cancelled" if clean else "error"))
 
-    def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats):
+    def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats, hold):
         """One verify step over a token tree (spine plus leaves, runtime/tree.py); commit the accepted path.
-        Returns (accepted tokens, next token, the tree's depth)."""
+        hold = (tokens emitted so far, min_new_tokens, stop ids). Returns (accepted tokens, next token, the
+        tree's depth)."""
         tokens, parents = proposal.tokens, proposal.parents
         layout = TreeLayout.build(pending, tokens, parents)
         logits = self.target.run_tree(layout)  # [N+1, V]
+        emitted, min_new_tokens, held = hold
+        if emitted < min_new_tokens:  # row r chooses new token emitted + depth(r)
+            logits = hold_back(logits, emitted + layout.depth, min_new_tokens, held)
         if params.greedy:
             path, next_token = accept_tree_greedy(tokens, parents, logits)
         else:
@@ -287,11 +299,13 @@ class Generator:
     def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
-                 adaptive: bool = True, reuse: bool = False, tree: int = 0) -> GenerationResult:
+                 adaptive: bool = True, reuse: bool = False, tree: int = 0,
+                 min_new_tokens: int = 0) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
-                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree):
+                               stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
+                               min_new_tokens=min_new_tokens):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)
@@ -312,6 +326,11 @@ def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: i
             raise GenerationError(f"prompt{which} token id {bad[0]} is outside the vocabulary (0..{V - 1})")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+
+
+def check_min_new_tokens(min_new_tokens) -> None:
+    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
+        raise GenerationError(f"min_new_tokens must be an int >= 0 (0 = off), not {min_new_tokens!r}")
 
 
 def check_gamma(manifest: Manifest, gamma: int) -> None:

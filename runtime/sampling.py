@@ -93,6 +93,25 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def hold_back(logits: np.ndarray, positions: np.ndarray, min_new_tokens: int, ids) -> np.ndarray:
+    """min_new_tokens (HF generate's, vLLM's min_tokens): the stop ids cannot be chosen before the output has
+    that many tokens. logits float [N, V]; positions int [N]: which new token (0 = the first) row n chooses.
+    Sets those ids to -inf in the rows whose position is below min_new_tokens, in place when the array
+    allows it; returns the logits.
+
+    Applied to the target's verify rows before acceptance, the held-back law is the one that plain decode
+    and acceptance both see: greedy speculation still equals plain decode, and sampling still follows the
+    (held-back) target distribution. A draft that proposes a held-back id is simply rejected there."""
+    rows = np.flatnonzero(np.asarray(positions) < min_new_tokens)
+    ids = [int(i) for i in ids]
+    if rows.size == 0 or not ids:
+        return logits
+    if not logits.flags.writeable:
+        logits = logits.copy()
+    logits[np.ix_(rows, ids)] = -np.inf
+    return logits
+
+
 def greedy_token(logits_row: np.ndarray) -> int:
     """argmax of one row float [V]; ties go to the lowest id (np.argmax returns the first maximum)."""
     row = np.asarray(logits_row)

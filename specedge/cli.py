@@ -116,6 +116,8 @@ def _run_check(a) -> int:
 
 def _add_sampling(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="stop after N new tokens (default 128)")
+    p.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
+                   help="hold the stop tokens (EOS) back until N new tokens are out (default 0: off)")
     p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
                    help="where drafts come from: the bundle's draft model, prompt lookup (ngram), or none (plain "
                    "decode). Default: draft when the bundle has one, else ngram")
@@ -210,7 +212,7 @@ def _run_generate_batch(a) -> int:
         prompts = _batch_prompts(gen, a.prompts)
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                     seed=a.seed)
+                                     seed=a.seed, min_new_tokens=a.min_new_tokens)
     finally:
         gen.close()
     for i, r in enumerate(results):
@@ -243,7 +245,8 @@ def _run_generate(a) -> int:
     proposer = a.proposer or ("draft" if gen.draft else "ngram")
     stats = Stats()
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
-                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats)
+                  temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats,
+                  min_new_tokens=a.min_new_tokens)
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):

@@ -229,6 +229,21 @@ def test_rows_stop_independently_and_idle_rows_change_nothing(gens):
     assert results[0].tokens[-1] == stop and len(results[0].tokens) <= 8
 
 
+def test_min_new_tokens_holds_each_rows_stop_tokens_back_as_batch_1_does(gens):
+    g1, g3 = gens
+    free = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS]
+    held = [free[0][3], free[1][5]]
+    for min_new in (6, 20):
+        results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=held, min_new_tokens=min_new,
+                                    adaptive=False)
+        changed = 0
+        for prompt, f, res in zip(PROMPTS, free, results):
+            want = g1.generate(prompt, NEW, proposer="none", stop_ids=held, min_new_tokens=min_new).tokens
+            assert res.tokens == want and not set(want[:min_new - 1]) & set(held)
+            changed += want != f[:len(want)]
+        assert changed > 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),
     ({"prompts": [[5], []]}, "prompt 1 is empty"),

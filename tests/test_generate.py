@@ -149,6 +149,69 @@ def test_eos_from_the_bundle_stops_by_default(gen):
         gen.eos_ids = [1]
 
 
+def hf_min_new(model, prompt, held: int, min_new: int, n=NEW) -> list[int]:
+    """transformers' own min_new_tokens: `held` is the EOS it may not choose before min_new tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=min_new, do_sample=False, eos_token_id=held,
+                             pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: tokens.index(held) + 1] if held in tokens else tokens
+
+
+def test_min_new_tokens_holds_the_stop_tokens_back_like_transformers(gen, pair_gen, tiny_models):
+    """The held-back token is one plain decode picks early and again later, so holding it back changes the
+    output; every proposer and gamma must still equal plain decode under the same rule, and drafts must
+    have been proposed, accepted and rejected."""
+    model = tiny_models["llama"][1]
+    checked = 0
+    for seed in range(6):
+        prompt = echo_prompt(model, seed)
+        free = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+        held = next((t for i, t in enumerate(free[:8]) if t in free[i + 1:]), None)
+        if held is None:
+            continue
+        checked += 1
+        # free.index(held) + 1: the rule holds back exactly the position where plain decode chose it first
+        for min_new in (free.index(held) + 1, 12, NEW):
+            want = hf_min_new(model, prompt, held, min_new)
+            assert held not in want[:min_new - 1]
+            plain = gen.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=min_new)
+            assert plain.tokens == want, (seed, min_new)
+            assert plain.tokens != free[:len(plain.tokens)]  # the rule changed the output
+            proposed = accepted = 0
+            for g, proposer in ((gen, "ngram"), (gen, "draft"), (pair_gen, "draft")):
+                for gamma in (1, 4, 8):
+                    out = g.generate(prompt, NEW, proposer=proposer, gamma=gamma, stop_ids=[held],
+                                     min_new_tokens=min_new, adaptive=False)
+                    assert out.tokens == want, (seed, min_new, proposer, gamma)
+                    proposed += out.stats.proposed
+                    accepted += out.stats.accepted
+            assert 0 < accepted < proposed
+    assert checked >= 3
+
+
+def test_min_new_tokens_keeps_sampled_runs_off_the_held_tokens(gen):
+    """Sampling from the held-back law: the held ids never come before min_new_tokens, with and without
+    speculation, and the seed still fixes the output."""
+    prompt = prompt_of(CHUNK + 3, 9)
+    free = [gen.generate(prompt, NEW, proposer="none", temperature=1.0, seed=s, stop_ids=[]).tokens for s in range(8)]
+    held = sorted({t for f in free for t in f[:6]})[:3]  # tokens sampled early without the rule
+    for proposer in ("none", "ngram", "draft"):
+        for s in range(8):
+            out = gen.generate(prompt, NEW, proposer=proposer, gamma=4, temperature=1.0, seed=s, stop_ids=held,
+                               min_new_tokens=NEW)
+            assert len(out.tokens) == NEW and not set(out.tokens) & set(held), (proposer, s)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
+def test_bad_min_new_tokens_is_one_clear_error(gen, bad):
+    from specedge.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="min_new_tokens must be an int >= 0"):
+        gen.generate([5, 6, 7], 4, proposer="none", min_new_tokens=bad)
+
+
 def test_full_context_stops_cleanly(tiny_models, tmp_path):
     from specedge.export.bundle import ExportOptions, export_bundle
 

@@ -156,3 +156,42 @@ def test_tree_options_are_checked(tree_gens, tiny_bundle):
             plain.generate([5, 6, 7], 4, proposer="ngram", gamma=4, tree=8)
     finally:
         plain.close()
+
+
+def test_min_new_tokens_on_trees_equals_plain_decode(tree_gens):
+    """The tree rows are held back by their depth (a leaf chooses the same new token as the chain node beside
+    it), so tree speculation under min_new_tokens still equals plain decode under it."""
+    rounds = 0
+    for seed in range(4):
+        prompt = few_symbols(3 * CHUNK + 5, seed=seed)
+        for g in tree_gens.values():
+            free = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+            held = free[2]
+            min_new = free.index(held) + 3
+            plain = g.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=min_new).tokens
+            assert held not in plain[:min_new - 1] and plain[:free.index(held)] == free[:free.index(held)]
+            for proposer in ("ngram", "draft"):
+                out = g.generate(prompt, NEW, proposer=proposer, gamma=4, tree=16, stop_ids=[held],
+                                 min_new_tokens=min_new, adaptive=False)
+                assert out.tokens == plain, (seed, proposer)
+                rounds += out.stats.tree_rounds
+    assert rounds > 0
+
+
+def test_min_new_tokens_holds_an_accepted_leafs_row_back_at_its_depth(tree_gens):
+    """Every round accepts the leaf beside spine node 0 (depth 1, but step row 9): the bonus token after it
+    is new token emitted + 1, so that row must be held back by its depth, not by its row index."""
+    g = tree_gens["layer"]
+    prompt = prompt_of(21, seed=9)
+    free = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    held, min_new = free[1], 5  # plain decode chooses it as new token 1, the first round's bonus position
+    reference = g.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=min_new).tokens
+    assert reference[1] != held
+    script = TreeScript(len(prompt), reference, 0, g.target.dims.vocab_size)
+    g._proposer = lambda name, ngram: script
+    try:
+        out = g.generate(prompt, NEW, proposer="ngram", gamma=8, tree=16, stop_ids=[held], min_new_tokens=min_new,
+                         adaptive=False)
+    finally:
+        del g._proposer
+    assert out.tokens == reference and out.stats.off_chain_accepted > 0

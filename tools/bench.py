@@ -5,6 +5,12 @@ Configurations are plain decode (`none`), each proposer at each gamma, and optio
 (repeat -> prompt -> configuration) so drift on a shared machine hits every configuration alike; each
 (prompt, configuration) keeps the median of its repeats. Greedy outputs are compared with plain decode's
 token for token.
+
+Every run, ours and the peers', produces exactly `max_new_tokens` tokens with EOS held back until then
+(`min_new_tokens`), so all of them decode the same amount and the same kind of text: a model that may not
+end its answer keeps writing in the same conversation. (Before, our runs ignored EOS instead: the model
+ended its turn and wrote a new conversation after it, text that prompt lookup cannot copy, while the peers
+held EOS back. Speculative speed-ups depend on the text, so those comparisons were not like for like.)
 """
 from __future__ import annotations
 
@@ -98,25 +104,13 @@ def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.total_ms)[len(runs) // 2]
 
 
-def _same_output(tokens: list[int], reference: list[int] | None, stop_ids: set[int], peer: bool) -> bool:
-    """Token for token equal to plain decode. Peers are made to generate exactly N tokens by suppressing
-    EOS (min_new_tokens), which changes their argmax where ours is EOS: for them, compare up to it."""
-    if reference is None:
-        return False
-    if peer:
-        cut = next((i for i, t in enumerate(reference) if t in stop_ids), len(reference))
-        return tokens[:cut] == reference[:cut]
-    return tokens == reference
-
-
-def summarize(runs: list[Run], configs: list[Config], stop_ids: set[int] = frozenset()) -> list[dict]:
+def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
     """One row per (configuration, prompt kind): throughput over the kind's prompts and medians."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         by_key.setdefault((r.config, r.prompt), []).append(r)
     medians = [_median_run(v) for v in by_key.values()]
     reference = {m.prompt: m.tokens for m in medians if m.config == "none"}
-    peers = {c.name for c in configs if c.peer}
     rows = []
     kinds = sorted({m.kind for m in medians}) + ["all"]
     for kind in kinds:
@@ -153,8 +147,7 @@ def summarize(runs: list[Run], configs: list[Config], stop_ids: set[int] = froze
                 "draft_ms_per_round": sum(m.draft_ms for m in ms) / rounds if rounds else None,
                 "verify_ms_per_round": sum(m.verify_ms for m in ms) / rounds if rounds else None,
                 "commit_ms_per_round": sum(m.commit_ms for m in ms) / rounds if rounds else None,
-                "identical": sum(_same_output(m.tokens, reference.get(m.prompt), stop_ids, c.name in peers)
-                                 for m in ms),
+                "identical": sum(m.tokens == reference.get(m.prompt) for m in ms),
             })
     return rows
 
@@ -256,7 +249,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
             return Run(c.name, prompt["id"], prompt["kind"], len(pid), list(out.tokens), out.total_s * 1e3,
                        None if out.ttft_s is None else out.ttft_s * 1e3)
         s = Stats()
-        tokens = [t for new in gen.stream(pid, n, proposer=c.proposer, gamma=c.gamma or 4, stop_ids=[], stats=s,
+        tokens = [t for new in gen.stream(pid, n, proposer=c.proposer, gamma=c.gamma or 4, min_new_tokens=n, stats=s,
                                           adaptive=adaptive, tree=c.tree) for t in new]
         return Run(c.name, prompt["id"], prompt["kind"], len(pid), tokens, s.total_ms, s.ttft_ms, s.itl_ms,
                    s.rounds, s.proposed, s.accepted, s.proposed_by_position, s.accepted_by_position, s.host_share,
@@ -276,7 +269,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
                     bar.update(f"{prompt['id']} {c.name}")
     finally:
         bar.close()
-    rows = summarize(runs, configs, set(gen.eos_ids))
+    rows = summarize(runs, configs)
     memory = _memory(gen, rss_reset and not peers)
     return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats, "memory": memory,
             "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
