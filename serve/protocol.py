@@ -47,6 +47,7 @@ class CompletionRequest:
     include_usage: bool
     proposer: str | None
     gamma: int | None
+    min_tokens: int = 0  # vLLM's extension: EOS is held back until this many tokens are out
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -108,8 +109,11 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     gamma = body.get("gamma")
     if gamma is not None and (not _is_int(gamma) or gamma < 1):
         raise RequestError("gamma must be a positive integer", param="gamma")
+    min_tokens = body.get("min_tokens", 0)
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise RequestError("min_tokens must be a non-negative integer", param="min_tokens")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
-                             bool(options.get("include_usage")), proposer, gamma)
+                             bool(options.get("include_usage")), proposer, gamma, min_tokens)
 
 
 def _is_int(x) -> bool:

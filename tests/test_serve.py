@@ -197,6 +197,7 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "proposer": "medusa"}, 400, "proposer"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": [1]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_tokens": -1}, 400, "min_tokens"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -207,6 +208,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     ok = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5 t6"}],
                                                   max_tokens=3, temperature=0)
     assert ok.choices[0].message.content
+
+
+def test_min_tokens_holds_eos_back_as_the_runtime_does(server, batch_server, oracle):
+    """A prompt whose plain output ends early on EOS: with min_tokens it runs on, as min_new_tokens does."""
+    prompt = next(words(seed, 12) for seed in range(400)
+                  if len(oracle.generate(oracle.tokenizer.encode(words(seed, 12)), 24, proposer="none").tokens) < 20)
+    ids = oracle.tokenizer.encode(prompt)
+    want = oracle.tokenizer.decode(oracle.generate(ids, 24, proposer="none", min_new_tokens=24).tokens)
+    assert want != expected(oracle, ids, 24)
+    for s in (server, batch_server):
+        r = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                          extra_body={"min_tokens": 24, "proposer": "ngram"})
+        assert r.choices[0].text == want and r.usage.completion_tokens == 24
 
 
 def test_malformed_json_and_bad_prompts_are_400s(server):
