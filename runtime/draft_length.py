@@ -1,8 +1,9 @@
 """How many drafts to ask for next round: stop proposing for a while when nothing is accepted, and (for
 proposers whose drafts cost time to make) grow k while drafts are accepted and shrink it when they are not.
 
-Why: a verify step of T = k+1 tokens costs more than a T=1 decode step (SmolLM2 on 2 CPU cores: T=9 costs
-1.5x, T=17 2x), so rounds whose drafts are all rejected are slower than plain decode. The pause (which
+Why: a verify step of T = k+1 tokens costs more than a T=1 decode step (SmolLM2 on 2 CPU cores, float32:
+T=9 costs 1.5x, T=17 2x; int4, where onnxruntime's MatMulNBits work grows with every row: T=2 1.34x, T=5
+2.03x, T=9 2.88x), so rounds whose drafts are all rejected are slower than plain decode. The pause (which
 doubles while proposals keep failing) bounds that cost on text where drafting does not work.
 * A draft model pays for every token it drafts, so its k also follows transformers' "heuristic" schedule:
   +2 after a fully accepted round, else just past the accepted length.
