@@ -31,15 +31,17 @@ def chat_prompts(gen):
             for name in ("short-explain", "add-type-hints")}
 
 
-def hf_greedy(model, ids, n=NEW):
+def hf_greedy(model, ids, n=NEW, held=()):
     """transformers' greedy decode, n tokens whatever they are (generate() would stop at EOS, and its
     min_new_tokens would forbid EOS, changing the argmax): argmax of the model's forward over its own KV
-    cache, lowest id on ties. Returns the tokens and the logits each was chosen from."""
+    cache, lowest id on ties; `held` ids are never chosen. Returns the tokens and the logits each was chosen
+    from."""
     tokens, logits = [], []
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         for _ in range(n):
-            row = out.logits[0, -1]
+            row = out.logits[0, -1].clone()
+            row[list(held)] = -torch.inf
             logits.append(row.numpy())
             tokens.append(int(np.argmax(row.numpy())))
             out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
@@ -67,6 +69,29 @@ def test_greedy_equals_transformers_for_every_proposer(smol, smollm2_hf):
                 out = smol.generate(ids, NEW, proposer=proposer, gamma=gamma, stop_ids=[]).tokens
                 assert_same_or_near_tie(out, ref, ref_logits)
                 assert out == plain, (name, proposer, gamma)  # position-consistent graphs: no exceptions
+
+
+def test_min_new_tokens_runs_past_the_real_eos_exactly(smol, smollm2_hf):
+    """A short edit that SmolLM2 answers and closes with EOS well before NEW tokens: with min_new_tokens the
+    answer runs on (as transformers with EOS masked), and prompt lookup under the same rule equals plain
+    decode token for token while proposing, accepting and rejecting drafts."""
+    import json
+
+    edits = os.path.join(os.path.dirname(__file__), "..", "tools", "prompts", "short_edits.jsonl")
+    item = next(p for p in map(json.loads, open(edits)) if p["id"] == "short-typo-fix")
+    ids = smol.tokenizer.apply_chat_template(item["messages"])
+    eos = smol.eos_ids
+    ended = smol.generate(ids, NEW, proposer="none").tokens
+    assert ended[-1] in eos and len(ended) < NEW // 2  # the premise: the model ends its answer early
+    ref, ref_logits = hf_greedy(smollm2_hf, ids, held=eos)
+    plain = smol.generate(ids, NEW, proposer="none", min_new_tokens=NEW)
+    assert len(plain.tokens) == NEW and not set(plain.tokens) & set(eos)
+    assert plain.tokens[:len(ended) - 1] == ended[:-1]  # the same answer, then more instead of EOS
+    assert_same_or_near_tie(plain.tokens, ref, ref_logits)
+    for gamma in (4, 8):
+        out = smol.generate(ids, NEW, proposer="ngram", gamma=gamma, min_new_tokens=NEW, adaptive=False)
+        assert out.tokens == plain.tokens, gamma
+        assert 0 < out.stats.accepted < out.stats.proposed
 
 
 def test_chat_template_renders_like_transformers(smol, smollm2_path):
