@@ -282,7 +282,8 @@ def _add_bench(sub) -> None:
                    help="proposers to run besides plain decode (default none,ngram,draft)")
     p.add_argument("--gamma", type=_ints, default=[2, 4, 8], metavar="G1,G2", help="gammas (default 2,4,8)")
     p.add_argument("--repeats", type=int, default=3, help="runs per prompt and configuration; medians (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens per run, EOS held back until then for every system (default 128)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads for us and the peers (default 2)")
     p.add_argument("--kinds", type=_names, default=None, metavar="K1,K2", help="only prompts of these kinds")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
