@@ -257,7 +257,7 @@ class BatchRunner:
             row = self.rows[b]
             rows_b = logits[b, :len(d) + 1]
             if len(row.output) < row.min_new_tokens:  # row j chooses new token len(output) + j
-                rows_b = hold_back(rows_b, len(row.output) + np.arange(len(d) + 1), row.min_new_tokens, sorted(row.stop))
+                rows_b = hold_back(rows_b, len(row.output) + np.arange(len(d) + 1), row.min_new_tokens, row.stop)
             if row.params.greedy:
                 accepted, token = accept_greedy(np.asarray(d, np.int64), rows_b)
             else:

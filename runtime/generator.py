@@ -173,7 +173,6 @@ class Generator:
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
-        held = sorted(stop)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         tree = tree if proposer != "none" else 0
@@ -215,7 +214,7 @@ class Generator:
                 if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
                     if emitted < min_new_tokens:  # row j chooses new token emitted + j
-                        logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, held)
+                        logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, stop)
                     t2 = time.perf_counter()
                     if params.greedy:
                         n_accepted, next_token = accept_greedy(np.asarray(proposal.tokens, np.int64), logits)
@@ -228,7 +227,7 @@ class Generator:
                     length.update(len(proposal.tokens), n_accepted)
                     accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
-                    hold = (emitted, min_new_tokens, held)
+                    hold = (emitted, min_new_tokens, stop)
                     accepted, next_token, depth = self._verify_tree(proposal, context[-1], base, params, sampler,
                                                                     drafter, length, stats, hold)
                     t2 = time.perf_counter()
@@ -265,9 +264,9 @@ class Generator:
         tokens, parents = proposal.tokens, proposal.parents
         layout = TreeLayout.build(pending, tokens, parents)
         logits = self.target.run_tree(layout)  # [N+1, V]
-        emitted, min_new_tokens, held = hold
+        emitted, min_new_tokens, stop = hold
         if emitted < min_new_tokens:  # row r chooses new token emitted + depth(r)
-            logits = hold_back(logits, emitted + layout.depth, min_new_tokens, held)
+            logits = hold_back(logits, emitted + layout.depth, min_new_tokens, stop)
         if params.greedy:
             path, next_token = accept_tree_greedy(tokens, parents, logits)
         else:

@@ -103,7 +103,7 @@ def hold_back(logits: np.ndarray, positions: np.ndarray, min_new_tokens: int, id
     and acceptance both see: greedy speculation still equals plain decode, and sampling still follows the
     (held-back) target distribution. A draft that proposes a held-back id is simply rejected there."""
     rows = np.flatnonzero(np.asarray(positions) < min_new_tokens)
-    ids = [int(i) for i in ids]
+    ids = [int(i) for i in ids]  # any iterable (the stop set); np.ix_ needs a sequence
     if rows.size == 0 or not ids:
         return logits
     if not logits.flags.writeable:
