@@ -45,7 +45,7 @@ from .generator import (GenerationResult, check_gamma, check_min_new_tokens, che
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import Sampler, ngram_lookup
-from .sampling import SamplingParams, hold_back, probs_from_logits
+from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
@@ -249,7 +249,14 @@ class BatchRunner:
         else:
             draft_probs = self._draft_rows(wanted, drafts) if wanted else {}
         for b, d in drafts.items():
-            feeds[b] = [self.rows[b].context[-1]] + d
+            row = self.rows[b]
+            if len(row.output) < row.min_new_tokens:  # a held-back stop id ends what can be accepted
+                n = emittable_drafts(d, len(row.output), row.min_new_tokens, row.stop)
+                if n < len(d):  # an own-cache draft row then re-feeds a token it already ran: the same entry
+                    drafts[b] = d = d[:n]
+                    if draft_probs.get(b) is not None:
+                        draft_probs[b] = draft_probs[b][:n]
+            feeds[b] = [row.context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
         logits = target.run_rows(feeds)
         committed = {}

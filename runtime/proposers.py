@@ -31,6 +31,12 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def cut(self, n: int) -> "Proposal":
+        """The chain's first n drafts (a proposer's commit takes any n_accepted up to what it proposed)."""
+        if n >= len(self.tokens) or self.parents is not None:
+            return self
+        return Proposal(self.tokens[:n], None if self.draft_probs is None else self.draft_probs[:n])
+
 
 EMPTY = Proposal([], None)
 

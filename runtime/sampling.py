@@ -112,6 +112,21 @@ def hold_back(logits: np.ndarray, positions: np.ndarray, min_new_tokens: int, id
     return logits
 
 
+
+def emittable_drafts(drafts, first_position: int, min_new_tokens: int, ids) -> int:
+    """How many drafts of a chain could be emitted under hold_back: draft i would be output token
+    first_position + i, and a stop id there has probability 0, so it (and every draft after it, which the
+    target only sees once it is accepted) would be rejected. The loop verifies only the drafts before it:
+    the same output, a smaller verify step. (Cutting is exact for sampling too: acceptance is exact for
+    any chain.)"""
+    held = set(int(i) for i in ids)
+    for i, token in enumerate(drafts):
+        if first_position + i >= min_new_tokens:
+            break
+        if int(token) in held:
+            return i
+    return len(drafts)
+
 def greedy_token(logits_row: np.ndarray) -> int:
     """argmax of one row float [V]; ties go to the lowest id (np.argmax returns the first maximum)."""
     row = np.asarray(logits_row)

@@ -244,6 +244,25 @@ def test_min_new_tokens_holds_each_rows_stop_tokens_back_as_batch_1_does(gens):
         assert changed > 0
 
 
+def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
+    """As at batch 1 (test_generate): a row's drafts are verified only up to a held-back stop id, and each
+    row still equals its batch-1 run."""
+    import specedge.runtime.batch as batch
+
+    g1, g3 = gens
+    held = sorted({p[i] for p in PROMPTS for i in range(3)})  # a prompt repeats its start: lookup copies it
+    proposed, fed = [], []
+    lookup, run_rows = batch.ngram_lookup, g3.target.run_rows
+    monkeypatch.setattr(batch, "ngram_lookup", lambda *a: proposed.append(lookup(*a)) or proposed[-1])
+    monkeypatch.setattr(g3.target, "run_rows", lambda feeds: fed.extend(feeds) or run_rows(feeds))
+    results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=held, min_new_tokens=NEW,
+                                adaptive=False)
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=held, min_new_tokens=NEW).tokens
+    assert any(set(d) & set(held) for d in proposed)  # lookup did propose them
+    assert not any(set(f[1:]) & set(held) for f in fed)  # no verify step carried one
+    assert sum(r.stats.accepted for r in results) > 0
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),
     ({"prompts": [[5], []]}, "prompt 1 is empty"),

@@ -191,6 +191,42 @@ def test_min_new_tokens_holds_the_stop_tokens_back_like_transformers(gen, pair_g
     assert checked >= 3
 
 
+def test_a_held_back_stop_id_ends_the_drafts_that_are_verified(gen, pair_gen, tiny_models, monkeypatch):
+    """A draft that is a held-back stop id would be rejected, and so would everything after it: the loop
+    verifies only the drafts before it. Prompt lookup on an echo prompt copies the held token (the target's
+    own continuation holds it), so proposals contain it; no verify step may, and the output stays plain
+    decode's under the rule."""
+    model = tiny_models["llama"][1]
+    proposals = []
+
+    def recording(make):
+        def _proposer(self, *args):
+            drafter = make(self, *args)
+            propose = drafter.propose
+            drafter.propose = lambda context, k, sampler: proposals.append(propose(context, k, sampler)) or proposals[-1]
+            return drafter
+        return _proposer
+
+    monkeypatch.setattr(Generator, "_proposer", recording(Generator._proposer))
+    cut = accepted = 0
+    for seed in range(4):
+        prompt = echo_prompt(model, seed)
+        free = gen.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+        held = free[0]  # lookup drafts the continuation from its first token on
+        plain = gen.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=NEW).tokens
+        for g, proposer in ((gen, "ngram"), (gen, "draft"), (pair_gen, "draft")):
+            verified, run = [], g.target.run
+            monkeypatch.setattr(g.target, "run", lambda tokens, run=run, verified=verified: verified.append(list(tokens)) or run(tokens))
+            proposals.clear()
+            out = g.generate(prompt, NEW, proposer=proposer, gamma=4, stop_ids=[held], min_new_tokens=NEW,
+                             adaptive=False)
+            assert out.tokens == plain, (seed, proposer)
+            assert all(held not in v for v in verified), (seed, proposer)
+            accepted += out.stats.accepted
+            cut += sum(held in p.tokens for p in proposals)
+            monkeypatch.setattr(g.target, "run", run)
+    assert cut > 0 and accepted > 0  # proposals did contain it, and speculation ran
+
 def test_min_new_tokens_keeps_sampled_runs_off_the_held_tokens(gen):
     """Sampling from the held-back law: the held ids never come before min_new_tokens, with and without
     speculation, and the seed still fixes the output."""

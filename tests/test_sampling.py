@@ -12,6 +12,7 @@ from scipy import stats
 
 from specedge.runtime.sampling import (
     SamplingParams,
+    emittable_drafts,
     greedy_token,
     greedy_tokens,
     probs_from_logits,
@@ -287,3 +288,16 @@ def test_sample_token_matches_its_distribution():
 def test_sample_token_rejects_bad_input(probs):
     with pytest.raises(ValueError):
         sample_token(probs, np.random.default_rng(0))
+
+
+def test_emittable_drafts_stops_at_the_first_held_back_stop_id():
+    """Draft i is output token first + i; a stop id there while first + i < min_new_tokens ends the chain."""
+    stop = {2, 7}
+    assert emittable_drafts([5, 2, 9], 0, 10, stop) == 1
+    assert emittable_drafts([2, 5], 3, 10, stop) == 0
+    assert emittable_drafts([5, 6, 7, 2], 0, 10, stop) == 2  # the first stop id counts
+    assert emittable_drafts([5, 6, 7], 8, 10, stop) == 3  # 7 would be output token 10: no longer held
+    assert emittable_drafts([5, 7, 2], 8, 10, stop) == 1  # 7 is token 9, still held
+    assert emittable_drafts([5, 6], 0, 10, []) == 2
+    assert emittable_drafts([], 0, 10, stop) == 0
+    assert emittable_drafts(np.array([4, 2]), 0, 1, stop) == 2  # min 1: only position 0 was held
