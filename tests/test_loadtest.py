@@ -158,7 +158,7 @@ def test_timing_tokens_and_bounded_concurrency(fake, tmp_path):
     assert rec.max_in_flight == 3
     assert rec.models_calls == 1 and report.model == MODEL
     assert all(b["model"] == MODEL and b["stream"] and b["stream_options"] == {"include_usage": True}
-               and b["max_tokens"] == tokens and b["temperature"] == 0.0 for b in rec.bodies)
+               and b["max_tokens"] == tokens and b["temperature"] == 0.0 and "min_tokens" not in b for b in rec.bodies)
     assert len(rec.bodies) == 9 and set(rec.paths) == {"/v1/chat/completions"}
     for r in report.results:
         assert r.ok and r.status == 200
@@ -180,10 +180,11 @@ def test_timing_tokens_and_bounded_concurrency(fake, tmp_path):
 def test_concurrency_above_requests_and_explicit_model(fake, tmp_path):
     url, rec = fake
     prompts = write_jsonl(tmp_path / "p.jsonl", [chat_line(tokens=2, first_delay=0.05)])
-    report = run_loadtest_sync(url + "/v1/", prompts, concurrency=8, requests=4, model="mine")
+    report = run_loadtest_sync(url + "/v1/", prompts, concurrency=8, requests=4, model="mine", max_tokens=2,
+                               min_tokens=2)
     assert (report.succeeded, report.lost) == (4, 0)
     assert rec.max_in_flight == 4 and rec.models_calls == 0
-    assert {b["model"] for b in rec.bodies} == {"mine"}
+    assert {b["model"] for b in rec.bodies} == {"mine"} and {b["min_tokens"] for b in rec.bodies} == {2}
 
 
 def test_completions_endpoint_prompts_cycle_and_estimated_tokens(fake, tmp_path):
@@ -268,6 +269,9 @@ def test_prompt_file_fields_and_bad_arguments(tmp_path):
     for kwargs, match in [(dict(concurrency=0, requests=1), "concurrency"),
                           (dict(concurrency=1, requests=0), "requests"),
                           (dict(concurrency=1, requests=1, max_tokens=0), "max_tokens"),
+                          (dict(concurrency=1, requests=1, max_tokens=4, min_tokens=5), "min_tokens"),
+                          (dict(concurrency=1, requests=1, min_tokens=-1), "min_tokens"),
+                          (dict(concurrency=1, requests=1, min_tokens=2.5), "min_tokens"),
                           (dict(concurrency=1, requests=1, timeout=0), "timeout")]:
         with pytest.raises(GenerationError, match=match):
             run_loadtest_sync("http://127.0.0.1:9", path, model="m", **kwargs)
@@ -294,11 +298,12 @@ def _cli(argv):
 
 
 def test_cli_prints_summary_writes_json_and_exit_status(fake, tmp_path, capsys):
-    url, _ = fake
+    url, rec = fake
     good = write_jsonl(tmp_path / "good.jsonl", [chat_line(tokens=3)])
     out = tmp_path / "report.json"
     assert _cli(["loadtest", url, "--concurrency", "2", "--requests", "4", "--prompts", good,
-                 "--max-tokens", "3", "--json", str(out)]) == 0
+                 "--max-tokens", "3", "--min-tokens", "3", "--json", str(out)]) == 0
+    assert [b["min_tokens"] for b in rec.bodies] == [3] * 4
     assert "4 succeeded, 0 failed, 0 lost" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["succeeded"] == 4 and data["lost"] == 0 and data["completion_tokens"] == 12

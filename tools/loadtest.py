@@ -131,9 +131,11 @@ def normalize_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float) -> dict:
+def _request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float, min_tokens: int = 0) -> dict:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
+    if min_tokens:  # vLLM's extension of the OpenAI API, which specedge serve takes too: stop ids held back
+        body["min_tokens"] = min_tokens
     if prompt.chat:
         body["messages"] = prompt.messages
     else:
@@ -232,12 +234,12 @@ async def _send(client, url: str, body: dict, result: RequestResult, chat: bool,
 
 
 async def _one_request(client, url: str, index: int, prompt: Prompt, model: str, max_tokens: int,
-                       temperature: float, timeout: float) -> RequestResult:
+                       temperature: float, timeout: float, min_tokens: int = 0) -> RequestResult:
     """Send one request and classify whatever happens into a result: this never raises (except on
     cancellation), which is what keeps `lost` at zero."""
     httpx = _httpx()
     result = RequestResult(index=index)
-    body = _request_body(prompt, model, max_tokens, temperature)
+    body = _request_body(prompt, model, max_tokens, temperature, min_tokens)
     start = time.perf_counter()
     try:
         await asyncio.wait_for(_send(client, url, body, result, prompt.chat, start), timeout)
@@ -363,22 +365,26 @@ async def discover_model(client, url: str) -> str:
         raise GenerationError(f"{url}/v1/models lists no model id; pass --model") from None
 
 
-def _check_args(concurrency: int, requests: int, max_tokens: int, timeout: float) -> None:
+def _check_args(concurrency: int, requests: int, max_tokens: int, timeout: float, min_tokens: int = 0) -> None:
     for name, value in (("concurrency", concurrency), ("requests", requests), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or value < 1:
             raise GenerationError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
+        raise GenerationError(f"min_tokens must be an integer in 0..max_tokens ({max_tokens}), got {min_tokens!r}")
     if not timeout > 0:
         raise GenerationError(f"timeout must be positive, got {timeout!r}")
 
 
 async def run_loadtest(url: str, prompts, concurrency: int, requests: int, max_tokens: int = 128,
                        model: str | None = None, temperature: float = 0.0,
-                       timeout: float = DEFAULT_TIMEOUT_S) -> LoadReport:
+                       timeout: float = DEFAULT_TIMEOUT_S, min_tokens: int = 0) -> LoadReport:
     """Send exactly `requests` streaming requests, cycling through `prompts` (a JSONL path or parsed
     objects), with at most `concurrency` in flight: C workers each take the next index until none is left,
     so the server sees a closed loop of C clients (no pile-up beyond C even when it is slow). `timeout` is a
-    per-request deadline on the whole answer, not on each read."""
-    _check_args(concurrency, requests, max_tokens, timeout)
+    per-request deadline on the whole answer, not on each read. `min_tokens` > 0 asks the server to hold EOS
+    back until that many tokens (vLLM's and specedge serve's `min_tokens`): with min_tokens = max_tokens every
+    request is exactly max_tokens long, so runs of different servers do the same work."""
+    _check_args(concurrency, requests, max_tokens, timeout, min_tokens)
     prompt_list = load_prompts(prompts)
     url = normalize_url(url)
     httpx = _httpx()
@@ -396,7 +402,7 @@ async def run_loadtest(url: str, prompts, concurrency: int, requests: int, max_t
             for i in next_index:
                 sent += 1
                 results.append(await _one_request(client, url, i, prompt_list[i % len(prompt_list)], model,
-                                                  max_tokens, temperature, timeout))
+                                                  max_tokens, temperature, timeout, min_tokens))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(workers)))
@@ -428,6 +434,9 @@ def add_parser(sub) -> None:
                    "goes to /v1/chat/completions, {\"prompt\": text} to /v1/completions; other fields are "
                    "ignored (the repo's suite: tools/prompts/suite.jsonl)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="ask the server to hold EOS back until N tokens (the min_tokens field of vLLM and specedge "
+                   "serve; default 0: not sent)")
     p.add_argument("--model", metavar="ID", help="model id to request (default: the first of GET /v1/models)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
@@ -439,7 +448,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """`specedge loadtest`: print the summary, write --json; exit 1 when any request failed or was lost."""
     report = run_loadtest_sync(args.url, args.prompts, args.concurrency, args.requests, max_tokens=args.max_tokens,
-                               model=args.model, temperature=args.temperature, timeout=args.timeout)
+                               model=args.model, temperature=args.temperature, timeout=args.timeout,
+                               min_tokens=args.min_tokens)
     print(report.summary())
     if args.json:
         try:
