@@ -242,6 +242,7 @@ class BatchRunner:
             drafts[b] = ngram_lookup(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
             if k > 0 and row.proposer == "draft":
                 wanted[b] = k
+                row.sampler.hold_back(len(row.output), row.min_new_tokens, row.stop)
         if not drafts:
             return {}
         if self.own_draft_cache:
@@ -335,7 +336,7 @@ class BatchRunner:
             logits = self.draft.run_rows(feeds)  # [B, T, V]
             for b, k in wanted.items():
                 if j < k:
-                    token, q = self.rows[b].sampler.draft_from(logits[b, len(feeds[b]) - 1])
+                    token, q = self.rows[b].sampler.draft_from(logits[b, len(feeds[b]) - 1], j)
                     drafts[b].append(token)
                     probs[b].append(q)
         return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}

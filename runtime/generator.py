@@ -205,6 +205,7 @@ class Generator:
                 t0 = time.perf_counter()
                 k = self._max_drafts(min(length.next(), max_new_tokens - emitted - 1))
                 as_tree = bool(tree and k and target.tree_graph_for(tree) is not None and choice.use_tree())
+                sampler.hold_back(emitted, min_new_tokens, stop)
                 if as_tree:
                     proposal = drafter.propose_tree(context, k, tree - 1, sampler)
                 else:

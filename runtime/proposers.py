@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import ModelRunner
-from .sampling import SamplingParams, greedy_token, probs_from_logits, sample_token
+from .sampling import SamplingParams, greedy_token, hold_back, probs_from_logits, sample_token
 
 
 @dataclass
@@ -46,9 +46,20 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator, vocab_size: int):
         self.params, self.rng, self.vocab_size = params, rng, vocab_size
+        # (output position of this round's first draft, min_new_tokens, stop ids) while stop ids are held back
+        self.held: tuple[int, int, set[int]] | None = None
 
-    def draft_from(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """One draft token from draft logits [V_draft], with its q over the target's vocabulary."""
+    def hold_back(self, emitted: int, min_new_tokens: int, stop) -> None:
+        """This round's drafts start at output position `emitted`: keep held-back stop ids out of them."""
+        self.held = (emitted, min_new_tokens, stop) if emitted < min_new_tokens else None
+
+    def draft_from(self, logits: np.ndarray, position: int = 0) -> tuple[int, np.ndarray | None]:
+        """One draft token from draft logits [V_draft] for the round's draft `position`, with its q over the
+        target's vocabulary. A stop id the target holds back there gets q = 0 too: the target would reject
+        it, and the draft's next choice may be accepted (any q keeps acceptance exact)."""
+        if self.held is not None:
+            emitted, min_new_tokens, stop = self.held
+            logits = hold_back(logits[None], [emitted + position], min_new_tokens, stop)[0]
         if self.params.greedy:
             return greedy_token(logits[: self.vocab_size]), None
         q = np.zeros(self.vocab_size)
@@ -244,7 +255,7 @@ def draft_tokens(runner: ModelRunner, logits: np.ndarray, k: int, sampler: Sampl
     tokens, probs, leaves = [], [], []
     budget = max(0, (nodes or k) - k)
     for j in range(k):
-        token, q = sampler.draft_from(logits)
+        token, q = sampler.draft_from(logits, j)
         tokens.append(token)
         probs.append(q)
         if budget > len(leaves):

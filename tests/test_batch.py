@@ -139,6 +139,33 @@ def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
     assert 0 < accepted < proposed
 
 
+def test_layer_draft_rows_keep_held_back_stop_ids_out_of_their_drafts(draft_gens, monkeypatch):
+    """Each row's draft steps mask the stop ids the target holds back at that row's positions (as at batch 1,
+    test_generate): no draft carries one, greedy and sampled rows still repeat their batch-1 runs."""
+    g1, g3 = draft_gens
+    free = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS]
+    held = sorted({f[0] for f in free} | {f[1] for f in free})  # what plain decode (so a good draft) picks
+    fed, run_rows = [], g3.target.run_rows
+    monkeypatch.setattr(g3.target, "run_rows", lambda feeds: fed.extend(feeds) or run_rows(feeds))
+    drafted, positions = [], g3.runner._draft_positions
+
+    def draft_positions(wanted, first, drafts):
+        out = positions(wanted, first, drafts)
+        drafted.extend(list(drafts[b]) for b in wanted)
+        return out
+
+    monkeypatch.setattr(g3.runner, "_draft_positions", draft_positions)
+    for kwargs in (dict(), dict(temperature=0.8, seed=5)):
+        fed.clear(), drafted.clear()
+        results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, stop_ids=held, min_new_tokens=NEW,
+                                    adaptive=False, **kwargs)
+        for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
+            one = dict(kwargs, seed=5 + b) if kwargs else kwargs
+            assert res.tokens == g1.generate(prompt, NEW, proposer="draft", gamma=4, stop_ids=held,
+                                             min_new_tokens=NEW, adaptive=False, **one).tokens, (b, kwargs)
+        assert any(len(f) > 1 for f in fed) and not any(set(f[1:]) & set(held) for f in fed), kwargs
+        assert drafted and not any(set(d) & set(held) for d in drafted), kwargs  # drafted without them
+
 @pytest.fixture(scope="module")
 def pair_gens(tiny_models, tiny_near_draft_model, tmp_path_factory):
     """Target + a separate draft model (a perturbed copy: accepted often, not always), batch 1 and batch 3."""

@@ -193,9 +193,9 @@ def test_min_new_tokens_holds_the_stop_tokens_back_like_transformers(gen, pair_g
 
 def test_a_held_back_stop_id_ends_the_drafts_that_are_verified(gen, pair_gen, tiny_models, monkeypatch):
     """A draft that is a held-back stop id would be rejected, and so would everything after it: the loop
-    verifies only the drafts before it. Prompt lookup on an echo prompt copies the held token (the target's
-    own continuation holds it), so proposals contain it; no verify step may, and the output stays plain
-    decode's under the rule."""
+    verifies only the drafts before it, and a draft model does not draft it at all. Prompt lookup on an echo
+    prompt copies the held token (the target's own continuation holds it), so its proposals contain it; no
+    verify step may, and the output stays plain decode's under the rule."""
     model = tiny_models["llama"][1]
     proposals = []
 
@@ -224,6 +224,8 @@ def test_a_held_back_stop_id_ends_the_drafts_that_are_verified(gen, pair_gen, ti
             assert all(held not in v for v in verified), (seed, proposer)
             accepted += out.stats.accepted
             cut += sum(held in p.tokens for p in proposals)
+            if proposer == "draft":  # a draft model keeps it out of its drafts (its next choice may be accepted)
+                assert proposals and not any(held in p.tokens for p in proposals), (seed, proposer)
             monkeypatch.setattr(g.target, "run", run)
     assert cut > 0 and accepted > 0  # proposals did contain it, and speculation ran
 
