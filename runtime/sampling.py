@@ -112,7 +112,6 @@ def hold_back(logits: np.ndarray, positions: np.ndarray, min_new_tokens: int, id
     return logits
 
 
-
 def emittable_drafts(drafts, first_position: int, min_new_tokens: int, ids) -> int:
     """How many drafts of a chain could be emitted under hold_back: draft i would be output token
     first_position + i, and a stop id there has probability 0, so it (and every draft after it, which the
