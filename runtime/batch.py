@@ -294,7 +294,6 @@ class BatchRunner:
             self.draft_cap.update(cap, sum(map(len, committed.values())), time.perf_counter() - began)
         return committed
 
-
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
         """wanted[b] drafts for each row b from the layer draft, into drafts[b]; every row starts at the
         target's valid length. Returns each row's draft distributions q [k, V] (None when greedy)."""

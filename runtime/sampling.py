@@ -126,6 +126,7 @@ def emittable_drafts(drafts, first_position: int, min_new_tokens: int, ids) -> i
             return i
     return len(drafts)
 
+
 def greedy_token(logits_row: np.ndarray) -> int:
     """argmax of one row float [V]; ties go to the lowest id (np.argmax returns the first maximum)."""
     row = np.asarray(logits_row)

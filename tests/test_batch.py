@@ -166,6 +166,7 @@ def test_layer_draft_rows_keep_held_back_stop_ids_out_of_their_drafts(draft_gens
         assert any(len(f) > 1 for f in fed) and not any(set(f[1:]) & set(held) for f in fed), kwargs
         assert drafted and not any(set(d) & set(held) for d in drafted), kwargs  # drafted without them
 
+
 @pytest.fixture(scope="module")
 def pair_gens(tiny_models, tiny_near_draft_model, tmp_path_factory):
     """Target + a separate draft model (a perturbed copy: accepted often, not always), batch 1 and batch 3."""
@@ -289,6 +290,7 @@ def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
     assert any(set(d) & set(held) for d in proposed)  # lookup did propose them
     assert not any(set(f[1:]) & set(held) for f in fed)  # no verify step carried one
     assert sum(r.stats.accepted for r in results) > 0
+
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),

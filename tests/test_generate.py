@@ -229,6 +229,7 @@ def test_a_held_back_stop_id_ends_the_drafts_that_are_verified(gen, pair_gen, ti
             monkeypatch.setattr(g.target, "run", run)
     assert cut > 0 and accepted > 0  # proposals did contain it, and speculation ran
 
+
 def test_min_new_tokens_keeps_sampled_runs_off_the_held_tokens(gen):
     """Sampling from the held-back law: the held ids never come before min_new_tokens, with and without
     speculation, and the seed still fixes the output."""
