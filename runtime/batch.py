@@ -88,8 +88,9 @@ class BatchRunner:
         self.own_draft_cache = draft is not None and not isinstance(draft.cache, SharedKVCache)
         self.draft_history: list[list[int]] = [[] for _ in range(target.dims.batch)]  # own draft cache, per row
         # Drafts of one row lengthen every row's verify step, so the batch measures what its rounds are worth
-        # with the rows' own draft lengths (None), at most one draft each (1), or none (0), and runs the best.
-        self.draft_cap = RateChoice((None, 1, 0))
+        # with the rows' own draft lengths (None), with at most c drafts each for every shorter step graph it
+        # loaded (T = c + 1), or with none (0), and runs the best (warm sets the options).
+        self.draft_cap = RateChoice((None, 0))
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
@@ -180,7 +181,14 @@ class BatchRunner:
         if gamma in self._gammas:
             return
         self._gammas.add(gamma)
-        steps = self.target.use_steps(sorted({1} | {g + 1 for g in self._gammas if g}))
+        # Every step graph up to the longest proposal, not only T=1 and T=gamma+1 as at batch 1: a step computes
+        # B*T rows, so padding a short proposal into the widest graph costs B times what it costs one row
+        # (SmolLM2 float32 at batch 4: T=2 1.31x a T=1 step, T=5 1.93x).
+        widest = max(g + 1 for g in self._gammas)
+        steps = self.target.use_steps([t for t in self.target.entry.step_tokens() if t <= widest])
+        caps = sorted({t - 1 for t in steps if 1 < t < widest}, reverse=True)
+        if (None, *caps, 0) != self.draft_cap.options:
+            self.draft_cap = RateChoice((None, *caps, 0))
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
         self.target.warm_rows()
         if self.draft is not None and gamma and not self.own_draft_cache:
@@ -290,8 +298,10 @@ class BatchRunner:
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
-        if adaptive:
-            self.draft_cap.update(cap, sum(map(len, committed.values())), time.perf_counter() - began)
+        if adaptive:  # per row: a step costs the same for any number of running rows (idle rows are padding),
+            # and rows finish at different rounds, so a cap measured with four rows running and one measured
+            # with one are compared on what each row gained
+            self.draft_cap.update(cap, sum(map(len, committed.values())) / len(committed), time.perf_counter() - began)
         return committed
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:

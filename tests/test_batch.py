@@ -85,15 +85,40 @@ def test_rows_prefill_alone_through_row_graphs(gens):
 
 def test_adaptive_greedy_batches_choose_their_draft_cap_and_stay_exact(gens):
     """Greedy rows with an adaptive draft length: the batch measures its rounds with the rows' own draft
-    lengths, one draft each and none, and runs the best (a draft lengthens every row's step). Tokens stay
-    plain batch-1 greedy's whatever it picks."""
+    lengths, with at most c drafts each for every shorter step graph (T = c + 1) and with none, and runs the
+    best (a draft lengthens every row's step). Tokens stay plain batch-1 greedy's whatever it picks."""
     g1, g3 = gens
+    g3.runner.warm(4)
+    widest = max(g3.target.step_sizes)
+    assert g3.target.step_sizes == [t for t in g3.manifest.target.step_tokens() if t <= widest]
+    shorter = [t for t in g3.target.step_sizes if 1 < t < widest]
+    assert len(shorter) >= 2
+    assert g3.runner.draft_cap.options == (None, *sorted((t - 1 for t in shorter), reverse=True), 0)
     fresh = type(g3.runner.draft_cap)(g3.runner.draft_cap.options)
     g3.runner.draft_cap = fresh
     results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[])
     for prompt, res in zip(PROMPTS, results):
         assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
     assert all(rate is not None for rate in fresh._rate.values())  # every cap was measured
+
+
+def test_a_capped_round_runs_in_the_step_graph_of_its_cap(gens):
+    """A step computes B*T rows, so a round capped at one draft per row runs in the T=2 graph, not padded into
+    the widest one a row's own draft length would use."""
+    g1, g3 = gens
+    g3.runner.warm(4)
+    assert 2 in g3.target.step_sizes and max(g3.target.step_sizes) > 2
+    g3.runner.draft_cap.choose = lambda: 1
+    graphs, step_graph_for = [], g3.target.step_graph_for
+    g3.target.step_graph_for = lambda n: graphs.append(step_graph_for(n)) or graphs[-1]
+    try:
+        results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[])
+    finally:
+        del g3.target.step_graph_for, g3.runner.draft_cap.choose
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    assert set(graphs) == {1, 2}  # rounds with and without drafts, none wider than the cap
+    assert 0 < sum(r.stats.accepted for r in results) < sum(r.stats.proposed for r in results)
 
 
 @pytest.fixture(scope="module")
