@@ -30,7 +30,7 @@ from .draft_length import DraftLength, TreeChoice
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
 from .proposers import DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
-from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
+from .sampling import SamplingParams, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
@@ -210,8 +210,8 @@ class Generator:
                     proposal = drafter.propose_tree(context, k, tree - 1, sampler)
                 else:
                     proposal = drafter.propose(context, k, sampler)
-                    if emitted < min_new_tokens:  # a held-back stop id ends what can be accepted
-                        proposal = proposal.cut(emittable_drafts(proposal.tokens, emitted, min_new_tokens, stop))
+                if emitted < min_new_tokens:  # a held-back stop id ends what can be accepted
+                    proposal = proposal.emittable(emitted, min_new_tokens, stop)
                 t1 = time.perf_counter()
                 base = target.cache.used
                 if proposal.parents is None:  # a chain

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import ModelRunner
-from .sampling import SamplingParams, greedy_token, hold_back, probs_from_logits, sample_token
+from .sampling import (SamplingParams, emittable_drafts, emittable_nodes, greedy_token, hold_back, probs_from_logits,
+                       sample_token)
 
 
 @dataclass
@@ -36,6 +37,22 @@ class Proposal:
         if n >= len(self.tokens) or self.parents is not None:
             return self
         return Proposal(self.tokens[:n], None if self.draft_probs is None else self.draft_probs[:n])
+
+    def emittable(self, first_position: int, min_new_tokens: int, stop) -> "Proposal":
+        """Without the drafts that held-back stop ids would get rejected (sampling.emittable_drafts and
+        emittable_nodes): a chain is cut before the first, a tree loses those nodes and what hangs under them
+        (a tree left without leaves becomes a chain, as ngram_tree gives one). The output is the same; the
+        verify step is smaller."""
+        if self.parents is None:
+            return self.cut(emittable_drafts(self.tokens, first_position, min_new_tokens, stop))
+        kept = emittable_nodes(self.tokens, self.parents, first_position, min_new_tokens, stop)
+        if len(kept) == len(self.tokens):
+            return self
+        index = {old: new for new, old in enumerate(kept)}
+        parents = [0 if self.parents[i] == 0 else index[self.parents[i] - 1] + 1 for i in kept]
+        probs = None if self.draft_probs is None else self.draft_probs[kept]
+        tokens = [self.tokens[i] for i in kept]
+        return Proposal(tokens, probs, None if parents == list(range(len(kept))) else parents)
 
 
 EMPTY = Proposal([], None)

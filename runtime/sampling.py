@@ -127,6 +127,20 @@ def emittable_drafts(drafts, first_position: int, min_new_tokens: int, ids) -> i
     return len(drafts)
 
 
+def emittable_nodes(tokens, parents, first_position: int, min_new_tokens: int, ids) -> list[int]:
+    """The nodes of a token tree (runtime/tree.py) that hold_back lets through: node i would be output token
+    first_position + depth(i) - 1, and a held-back stop id there, with everything under it, would be rejected
+    (emittable_drafts for chains). Returns the kept node indices, in order."""
+    held = set(int(i) for i in ids)
+    depth, kept = [0] * len(tokens), [True] * len(tokens)
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        depth[i] = 1 if parent == 0 else depth[parent - 1] + 1
+        ancestor_kept = parent == 0 or kept[parent - 1]
+        blocked = first_position + depth[i] - 1 < min_new_tokens and int(token) in held
+        kept[i] = ancestor_kept and not blocked
+    return [i for i, k in enumerate(kept) if k]
+
+
 def greedy_token(logits_row: np.ndarray) -> int:
     """argmax of one row float [V]; ties go to the lowest id (np.argmax returns the first maximum)."""
     row = np.asarray(logits_row)

@@ -195,3 +195,59 @@ def test_min_new_tokens_holds_an_accepted_leafs_row_back_at_its_depth(tree_gens)
     finally:
         del g._proposer
     assert out.tokens == reference and out.stats.off_chain_accepted > 0
+
+
+def test_a_held_back_stop_id_is_pruned_from_the_verified_trees(tree_gens, monkeypatch):
+    """Prompt lookup's trees copy the held token from the context (an echo of the target's own continuation
+    starts with it; six symbols give the other branches). Under min_new_tokens a node with it would be rejected, and everything under it, so
+    the loop drops them before the verify step: no verified tree or chain holds it, and the output is
+    plain decode's under the rule."""
+    proposed = []
+
+    def recording(make):
+        def _proposer(self, *args):
+            drafter = make(self, *args)
+            propose_tree = getattr(drafter, "propose_tree", None)
+            if propose_tree is not None:
+                drafter.propose_tree = lambda *a: proposed.append(propose_tree(*a)) or proposed[-1]
+            return drafter
+        return _proposer
+
+    monkeypatch.setattr(Generator, "_proposer", recording(Generator._proposer))
+    pruned = rounds = 0
+    for seed in range(3):
+        base = few_symbols(2 * CHUNK + 5, seed=seed)
+        for g in tree_gens.values():
+            echo = g.generate(base, 16, proposer="none", stop_ids=[]).tokens
+            prompt, held = base + echo + base[-6:], echo[0]  # lookup's spine is the echo, from `held` on
+            plain = g.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=NEW).tokens
+            verified, run, run_tree = [], g.target.run, g.target.run_tree
+            monkeypatch.setattr(g.target, "run", lambda tokens, run=run: verified.append(list(tokens[1:])) or run(tokens))
+            monkeypatch.setattr(g.target, "run_tree",
+                                lambda layout, run_tree=run_tree: verified.append(layout.tokens[1:]) or run_tree(layout))
+            proposed.clear()
+            out = g.generate(prompt, NEW, proposer="ngram", gamma=4, tree=16, stop_ids=[held], min_new_tokens=NEW,
+                             adaptive=False)
+            assert out.tokens == plain, seed
+            assert verified and all(held not in v for v in verified), seed
+            pruned += sum(held in p.tokens for p in proposed)
+            rounds += out.stats.tree_rounds
+            monkeypatch.setattr(g.target, "run", run)
+            monkeypatch.setattr(g.target, "run_tree", run_tree)
+    assert pruned > 0 and rounds > 0  # proposed trees did hold it, and trees were verified
+
+
+def test_pruning_a_tree_keeps_the_nodes_above_held_ones():
+    # root -> 0 -> 1 -> 2 (the chain), leaves 3 (beside 0), 4 (beside 1) and 5 (beside 2)
+    tree = Proposal([10, 11, 12, 13, 14, 15], None, [0, 1, 2, 0, 1, 2])
+    cut = tree.emittable(0, 8, {11})  # node 1 (depth 2) is held: it goes with node 2 and leaf 5 under it
+    assert (cut.tokens, cut.parents) == ([10, 13, 14], [0, 0, 1])
+    assert tree.emittable(0, 1, {11}) is tree  # depth 2 is output position 1: no longer held there
+    assert tree.emittable(5, 8, {12, 15}) is not tree and tree.emittable(6, 8, {12, 15}) is tree  # depth 3
+    chain = tree.emittable(0, 8, {13, 14, 15})
+    assert (chain.tokens, chain.parents) == ([10, 11, 12], None)  # only the spine left: a chain
+    assert tree.emittable(0, 8, {10}).tokens == [13]  # the spine's first node: only the root's other leaf
+    q = np.eye(6)
+    assert Proposal([10, 11], q[:2]).emittable(1, 8, {11}).draft_probs.tolist() == q[:1].tolist()
+    sampled = Proposal(tree.tokens, q, tree.parents).emittable(0, 8, {11})
+    assert sampled.draft_probs.tolist() == q[[0, 3, 4]].tolist()  # each kept node keeps its own q
