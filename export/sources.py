@@ -34,8 +34,8 @@ class Source:
         raise NotImplementedError
 
     def blocks(self, hf_name: str) -> Blocks | None:
-        """The tensor as symmetric int blocks in the ONNX layout ([in, out], blocks along `in`), when the source
-        stores it that way already (GGUF Q4_0 / Q8_0); None otherwise."""
+        """The tensor as int blocks in the ONNX layout ([in, out], blocks along `in`), when the source stores it
+        that way already (GGUF Q4_0 / Q8_0 symmetric, Q4_1 with per-block offsets); None otherwise."""
         return None
 
     def tokenizer(self) -> TokenizerInfo:
@@ -292,22 +292,28 @@ class GGUFSource(Source):
     def blocks(self, hf_name: str) -> Blocks | None:
         """Q8_0 (blocks of 32: f16 scale d, 32 int8) and Q4_0 (f16 d, 16 bytes: element j in the low nibble
         of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
-        input dimension: exactly the ONNX layout, ints and scales copied bit for bit."""
+        input dimension: exactly the ONNX layout, ints and scales copied bit for bit. Q4_1 (f16 d, f16 m, the
+        nibbles as Q4_0's; value d * nibble + m) is the offset layout: ints nibble - 8 and scale d copied,
+        offset m + 8d (one float32 rounding at most)."""
         t = self._gguf_tensor(hf_name)
         kind = t.tensor_type.name
-        if kind not in ("Q8_0", "Q4_0") or len(t.shape) != 2:
+        if kind not in ("Q8_0", "Q4_0", "Q4_1") or len(t.shape) != 2:
             return None
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
         raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, -1)  # [out, blocks, bytes]
         d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [out, in/32]
+        offset = None
         if kind == "Q8_0":
             q = raw[:, :, 2:].copy().view(np.int8)  # [out, in/32, 32]
         else:
-            nib = raw[:, :, 2:]
+            nib = raw[:, :, 4:] if kind == "Q4_1" else raw[:, :, 2:]
             q = (np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.int16) - 8).astype(np.int8)
+            if kind == "Q4_1":
+                m = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+                offset = np.ascontiguousarray(self._unpermute(hf_name, m + 8 * d).T)
         q = self._unpermute(hf_name, q.reshape(n_out, n_in))
         d = self._unpermute(hf_name, d)
-        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32)
+        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32, offset)
 
     def tokenizer(self) -> TokenizerInfo:
         eos = self._field("tokenizer.ggml.eos_token_id", None)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import contract as C
 from .builder import GraphBuilder
-from .quant import (Blocks, PackedInt4, QuantSpec, dequantize_blocks, quantize_blocks, relative_error)
+from .quant import Blocks, PackedInt4, QuantSpec, block_sums, quantize_blocks, quantize_offset_blocks, relative_error
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -199,27 +199,38 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
+        offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
         found = [native(n) for n, _ in parts] if native else [None]
         # A source's int4 blocks fit int8 exactly (same ints, same scales): widening loses nothing.
-        if all(b is not None and b.bits <= bits and b.block == quant.block for b in found):
+        if all(b is not None and b.bits <= bits and b.block == quant.block and (offsets or b.offset is None)
+               for b in found):
             for b in found:
                 b.bits = bits
             for b, (_, factor) in zip(found, parts):
-                if factor != 1:
-                    b.scale = (b.scale * factor).astype(np.float32)  # the ints stay as the source stored them
+                if factor != 1:  # the ints stay as the source stored them
+                    b.scale = (b.scale * factor).astype(np.float32)
+                    b.offset = None if b.offset is None else (b.offset * factor).astype(np.float32)
             report.native.append(name)
-            return Blocks.concat(found)
+            out = Blocks.concat(found)
+            if offsets and out.offset is None:
+                out.offset = np.zeros_like(out.scale)
+            return out
         w = np.ascontiguousarray(np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T)
-        # The head keeps plain round-to-nearest: a least-squares scale clips its outliers (see quantize_blocks)
-        q, s = quantize_blocks(w, bits, quant.block, search=name != "lm_head")
-        report.requantized[name] = relative_error(w, dequantize_blocks(q, s, quant.block))
-        return Blocks(q, s, bits, quant.block)
+        if offsets:
+            q, scale, offset = quantize_offset_blocks(w, bits, quant.block)
+            out = Blocks(q, scale, bits, quant.block, offset)
+        else:  # the head keeps plain round-to-nearest: a least-squares scale clips its outliers (quantize_blocks)
+            out = Blocks(*quantize_blocks(w, bits, quant.block, search=name != "lm_head"), bits, quant.block)
+        report.requantized[name] = relative_error(w, out.dequantized())
+        return out
 
     def stored(name: str, b: Blocks, transpose: bool = False):
         q, s = (b.q.T, b.scale.T) if transpose else (b.q, b.scale)
         q, s = np.ascontiguousarray(q), np.ascontiguousarray(s)
         yield name + ".q", PackedInt4.from_values(q) if b.bits == 4 else q
         yield name + ".scale", s
+        if b.offset is not None:
+            yield name + ".offset", np.ascontiguousarray(b.offset)
 
     def matrix(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None):
         if quant is None:
@@ -341,13 +352,22 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             x = g.op("Transpose", g.op("Reshape", x, g.ints(B, Hkv, T, rep, D)), perm=[0, 2, 1, 3, 4])
         return g.op("Reshape", x, g.ints(B * T, H * D))
 
-    def linear(x, weight, name=None):  # [B*T, in] @ [in, out]; MatMul beat Gemm in place, at 1 and at 9 rows
+    sums = {}  # K -> the block-sum matrix S; input x -> x @ S (the offsets' low-rank term, once per input)
+
+    def linear(x, weight, name=None, k=None):  # [B*T, in=k] @ [in, out]; MatMul beat Gemm in place, at 1 and 9 rows
         if quant is None:
             return g.op("MatMul", x, g.weight(weight), name=name)
         # Standard-domain weight-only quantization; onnxruntime fuses the pair into MatMulNBits.
         w = g.op("DequantizeLinear", g.weight(weight + ".q"), g.weight(weight + ".scale"), axis=0,
                  block_size=quant.block)
-        return g.op("MatMul", x, w, name=name)
+        if not (quant.offsets and k):
+            return g.op("MatMul", x, w, name=name)
+        if k not in sums:
+            sums[k] = g.const(block_sums(k, quant.block))
+        if x not in sums:  # [B*T, K/block]: each block of the input summed (graphs/quant.py)
+            sums[x] = g.op("MatMul", x, sums[k])
+        # One Gemm adds the offsets' product to the main one (C): a node fewer than MatMul + Add, at every T.
+        return g.op("Gemm", sums[x], g.weight(weight + ".offset"), g.op("MatMul", x, w), name=name)
 
     def embedding(ids):  # [B, T] -> [B*T, E]
         if quant is None:
@@ -420,7 +440,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
         h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt, scaled_norm)
-        qkv = linear(h, p + "qkv")
+        qkv = linear(h, p + "qkv", k=E)
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
         qk_norm = g.weight(p + "qk_norm") if cfg.qk_norm else None
@@ -459,12 +479,12 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
                        g.op("Unsqueeze", new_v, g.ints(3)))  # [B, Hkv, T, rep, D]: row t*rep + r times value t
             own = g.op("Reshape", own, g.ints(B, Hkv, T * rep, D))
         attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
-        x = g.op("Add", x, linear(from_rows(attn), p + "o"), label=RESIDUAL)
+        x = g.op("Add", x, linear(from_rows(attn), p + "o", k=H * D), label=RESIDUAL)
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm)
-        gate, up = g.op("Split", linear(h, p + "gate_up"), axis=-1, outputs=2)
+        gate, up = g.op("Split", linear(h, p + "gate_up", k=E), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        x = g.op("Add", x, linear(act, p + "down"), label=RESIDUAL)
+        x = g.op("Add", x, linear(act, p + "down", k=cfg.intermediate_size), label=RESIDUAL)
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)

@@ -16,6 +16,17 @@ blocked `DequantizeLinear` on axis 1): a step reads B*T rows, so its format cost
 The LM head (tied or not) is a MatMul weight of its own, [E, V], quantized with `head_bits`. GGUF Q8_0 and
 Q4_0 tensors already are such blocks (32 along the input dimension) and are copied without requantizing.
 
+With `offsets` (`--quant-scheme offset`) each layer weight also has a per-block offset, W ~= q * scale +
+offset, the layout of GGUF's Q4_1 (a scale and a minimum per block of 32), which an integer zero point cannot
+hold (Q4_1's minimum is a float, not a multiple of its scale):
+
+    W_offset float32 [K/block, N]   added to every weight of its block
+
+and the graph adds the offset's product as a low-rank term: x @ W = x @ DequantizeLinear(W_q, W_scale) +
+(x @ S) @ W_offset, with S [K, K/block] the constant block-sum matrix (1 where row k is in block b). Q4_1
+tensors are copied exactly (q - 8, d, m + 8d), so an int4 bundle of a Q4_1 GGUF is that GGUF's model;
+float tensors get min/max round-to-nearest blocks. The embedding and the head stay symmetric.
+
 int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
 """
 from __future__ import annotations
@@ -25,6 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 QUANT_MODES = ("none", "int8", "int4")
+QUANT_SCHEMES = ("symmetric", "offset")
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two in 16..256: what MatMulNBits takes
 QUANT_OPSET = 21  # DequantizeLinear with block_size and int4 weights
 QUANT_IR_VERSION = 10  # the IR that introduced int4
@@ -44,20 +56,23 @@ class QuantSpec:
     block: int  # input rows per scale
     head_bits: int  # the LM head's bits (8 or 4)
     embed: str = "int8"  # the embedding table [V, E]: int8 in blocks of `block` along E
+    offsets: bool = False  # layer weights have a per-block float offset W.offset (see above)
 
     @property
     def weight_type(self) -> str:
         return f"int{self.bits}"
 
     def to_json(self) -> dict:
-        return {**asdict(self), "weights": self.weight_type, "scheme": "symmetric, blockwise along K, no zero point",
+        scheme = ("offset: symmetric blocks along K plus a float offset per block (layer weights), no zero point"
+                  if self.offsets else "symmetric, blockwise along K, no zero point")
+        return {**asdict(self), "weights": self.weight_type, "scheme": scheme,
                 "opset": QUANT_OPSET, "onnxruntime_session_config": dict(ORT_SESSION_CONFIG),
                 "targets": targets(self)}
 
     @classmethod
     def from_json(cls, d: dict) -> "QuantSpec":
         return cls(bits=int(d["bits"]), block=int(d["block"]), head_bits=int(d["head_bits"]),
-                   embed=str(d.get("embed", "int8")))
+                   embed=str(d.get("embed", "int8")), offsets=bool(d.get("offsets", False)))
 
 
 def targets(spec: QuantSpec) -> list[str]:
@@ -70,14 +85,18 @@ def targets(spec: QuantSpec) -> list[str]:
     return out
 
 
-def parse_quant(mode: str, block: int | None, head: str | None = None) -> QuantSpec | None:
-    """The spec for `--quant MODE --quant-block N --quant-head H`; ValueError with a one-line message."""
+def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: str | None = None) -> QuantSpec | None:
+    """The spec for `--quant MODE --quant-block N --quant-head H --quant-scheme S`; ValueError with a one-line
+    message."""
     if mode not in QUANT_MODES:
         raise ValueError(f"--quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
     if mode == "none":
-        if block is not None or head is not None:
-            raise ValueError("--quant-block and --quant-head need --quant int8 or int4")
+        if block is not None or head is not None or scheme is not None:
+            raise ValueError("--quant-block, --quant-head and --quant-scheme need --quant int8 or int4")
         return None
+    scheme = scheme or "symmetric"
+    if scheme not in QUANT_SCHEMES:
+        raise ValueError(f"--quant-scheme must be one of {', '.join(QUANT_SCHEMES)}, not {scheme!r}")
     bits = int(mode[3:])
     block = 32 if block is None else block
     if block not in BLOCK_SIZES:
@@ -85,7 +104,7 @@ def parse_quant(mode: str, block: int | None, head: str | None = None) -> QuantS
     head = head or "int8"
     if head not in ("int8", "int4"):
         raise ValueError(f"--quant-head must be int8 or int4, not {head!r}")
-    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]))
+    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset")
 
 
 # -- numerics -----------------------------------------------------------------------------------------
@@ -130,6 +149,31 @@ def quantize_blocks(w: np.ndarray, bits: int, block: int, search: bool = True) -
     return q.astype(np.int8).reshape(nb * block, N)[:K], scale.astype(np.float32)
 
 
+def quantize_offset_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Min/max quantization of W [K, N] in blocks of `block` rows along K (GGUF Q4_1's rule, any bits):
+    per block scale = (max - min) / (2^bits - 1) and W ~= q * scale + offset with q in -2^(bits-1) ..
+    2^(bits-1) - 1, offset = min + 2^(bits-1) * scale. Returns (q int8 [K, N], scale, offset [ceil(K/block), N])."""
+    K, N = w.shape
+    nb = -(-K // block)
+    padded = np.zeros((nb * block, N), np.float32)
+    padded[:K] = w
+    padded[K:] = w[-1:] if K % block else 0  # a short last block: its own values, so its min/max are its own
+    blocks = padded.reshape(nb, block, N)
+    lo, hi = blocks.min(axis=1), blocks.max(axis=1)
+    half = 2 ** (bits - 1)
+    scale = np.where(hi > lo, (hi - lo) / (2 * half - 1), 1.0).astype(np.float32)
+    q = np.clip(np.rint((blocks - lo[:, None, :]) / scale[:, None, :]), 0, 2 * half - 1) - half
+    offset = (lo + half * scale).astype(np.float32)
+    return q.astype(np.int8).reshape(nb * block, N)[:K], scale, offset
+
+
+def block_sums(K: int, block: int) -> np.ndarray:
+    """S [K, ceil(K/block)] float32: x @ S sums each block of x's K inputs (the offsets' low-rank term)."""
+    s = np.zeros((K, -(-K // block)), np.float32)
+    s[np.arange(K), np.arange(K) // block] = 1
+    return s
+
+
 def dequantize_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
     """q [K, N] * scale [ceil(K/block), N], in float32: what DequantizeLinear(axis=0) computes."""
     K = q.shape[0]
@@ -166,12 +210,22 @@ class Blocks:
     scale: np.ndarray
     bits: int
     block: int
+    offset: np.ndarray | None = None  # [K/block, N] float32: W = q * scale + offset (GGUF Q4_1), or none
 
     @staticmethod
     def concat(parts: list["Blocks"]) -> "Blocks":
         """Fuse weights along N (q/k/v, gate/up): blocks run along K, so columns simply sit side by side."""
+        offset = None
+        if any(p.offset is not None for p in parts):
+            offset = np.concatenate([p.offset if p.offset is not None else np.zeros_like(p.scale) for p in parts], axis=1)
         return Blocks(np.concatenate([p.q for p in parts], axis=1), np.concatenate([p.scale for p in parts], axis=1),
-                      parts[0].bits, parts[0].block)
+                      parts[0].bits, parts[0].block, offset)
+
+    def dequantized(self) -> np.ndarray:
+        w = dequantize_blocks(self.q, self.scale, self.block)
+        if self.offset is not None:
+            w = w + np.repeat(self.offset, self.block, axis=0)[: w.shape[0]]
+        return w
 
 
 @dataclass

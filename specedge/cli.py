@@ -59,6 +59,9 @@ def _add_export(sub) -> None:
                    "int4 import takes 64 or 128)")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
+    p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset}",
+                   help="symmetric blocks (default), or blocks plus a float offset per block for the layer weights "
+                   "(GGUF Q4_1's layout, copied exactly; a low-rank product in the graph adds the offsets)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true",
@@ -77,6 +80,7 @@ def _run_export(a) -> int:
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
                          step_mask=a.step_mask, tree_sizes=tuple(a.tree), quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
+                         quant_scheme=a.quant_scheme,
                          flavour={"qnn": "qnn-fp16", "qnn-qdq16": "qnn-qdq16"}.get(a.for_runtime, "portable"))
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())
@@ -84,10 +88,12 @@ def _run_export(a) -> int:
     for name, model in m.models.items():
         if model.quant and not model.layers_of:
             src = model.quant["source"]
-            print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}, head "
+            error = (f" (relative error mean {src['relative_error_mean']:.4f}, max {src['relative_error_max']:.4f} in "
+                     f"{src['worst']})" if src["requantized"] else "")
+            scheme = ", offsets per block" if model.quant.get("offsets") else ""
+            print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
-                  f"{src['requantized']} requantized (relative error mean {src['relative_error_mean']:.4f}, "
-                  f"max {src['relative_error_max']:.4f} in {src['worst']})")
+                  f"{src['requantized']} requantized{error}")
     return 0
 
 

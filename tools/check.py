@@ -176,6 +176,15 @@ def _check_quant(proto, model: ModelEntry, qdq: bool = False) -> list[str]:
                             f"the manifest says block {spec.block} on axis 0")
         if len(dq.input) > 2 and dq.input[2]:
             problems.append(f"{dq.input[0]} has a zero point; the layout is symmetric")
+    if spec is not None:  # the offset scheme: every layer weight's product has its offsets' term, and only then
+        layer_weights = _weight_names(model) - {"embed", "lm_head"}
+        read = {w[: -len(".q")] for n in proto.graph.node if n.op_type == "DequantizeLinear" for w in n.input[:1]}
+        offsets = {w[: -len(".offset")] for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")
+                   for w in n.input[1:2] if w.endswith(".offset")}
+        want = read & layer_weights if spec.offsets else set()
+        if offsets != want:
+            problems.append(f"offset products for {sorted(offsets ^ want)[:3]} disagree with the manifest's "
+                            f"scheme ({'offset' if spec.offsets else 'symmetric'})")
     return problems
 
 

@@ -100,7 +100,8 @@ def _describe_bundle(manifest) -> str:
     q = manifest.target.quant
     if not q:
         return manifest.target.dims.dtype
-    return f"int{q['bits']} b{q['block']}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
+    offsets = " + offsets" if q.get("offsets") else ""
+    return f"int{q['bits']} b{q['block']}{offsets}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
 
 
 def load_bundle(path: str, threads: int, backend: str):
