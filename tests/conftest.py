@@ -89,12 +89,14 @@ def smollm2_bundle(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_quant_bundles(smollm2_path, tmp_path_factory):
-    """mode -> SmolLM2-135M bundle with weight-only int8 / int4 weights and an 8-layer draft."""
+    """mode -> SmolLM2-135M bundle with weight-only int8 / int4 weights (int4-offset: the GGUF's Q4_1 blocks
+    copied with their offsets) and an 8-layer draft."""
     root = tmp_path_factory.mktemp("bundles")
     out = {}
-    for mode in ("int8", "int4"):
+    for mode in ("int8", "int4", "int4-offset"):
         out[mode] = str(root / f"smollm2-{mode}")
-        export_bundle(smollm2_path, out[mode], ExportOptions(context=1024, draft_layers=8, quant=mode), progress=False)
+        export_bundle(smollm2_path, out[mode], ExportOptions(context=1024, draft_layers=8, quant=mode[:4],
+                                                             quant_scheme=mode[5:] or None), progress=False)
     return out
 
 

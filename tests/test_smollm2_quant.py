@@ -1,4 +1,4 @@
-"""SmolLM2-135M as int8 and int4 bundles on the whole prompt suite: greedy speculative output equals the
+"""SmolLM2-135M as int8 and int4 bundles (and int4 with Q4_1's offsets) on the whole prompt suite: greedy speculative output equals the
 bundle's own plain greedy output token for token, for every proposer and every exported gamma. Slow: runs
 in CI, skip locally with -m "not slow".
 
@@ -35,7 +35,7 @@ def next_logits(gen, sequence):
     return np.array(gen.target.run(sequence[-1:])[0])
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-offset"])
 def test_speculative_equals_plain_on_the_suite(smollm2_quant_bundles, mode):
     gen = Generator.load(smollm2_quant_bundles[mode], threads=2)
     try:
