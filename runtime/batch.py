@@ -44,7 +44,7 @@ from .generator import (GenerationResult, check_gamma, check_min_new_tokens, che
                         shares_target_cache)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
-from .proposers import Sampler, ngram_lookup
+from .proposers import NGRAM_SIZES, Sampler, ngram_chain
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
@@ -121,7 +121,7 @@ class BatchRunner:
 
     def admit(self, b: int, prompt: list[int], max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-              stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4), adaptive: bool = True,
+              stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = [int(t) for t in prompt]
@@ -247,7 +247,7 @@ class BatchRunner:
             room = capacity - target.cache.used  # a step's T must fit the fullest row too
             while k > 0 and not any(k + 1 <= t <= room for t in steps):
                 k -= 1
-            drafts[b] = ngram_lookup(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
+            drafts[b] = ngram_chain(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
             if k > 0 and row.proposer == "draft":
                 wanted[b] = k
                 row.sampler.hold_back(len(row.output), row.min_new_tokens, row.stop)
@@ -407,7 +407,7 @@ class BatchGenerator:
 
     def generate_batch(self, prompts, max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                       stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
+                       stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                        adaptive: bool = True, min_new_tokens: int = 0) -> list[GenerationResult]:
         """Generate for up to B prompts in one batch; returns one GenerationResult per prompt, in order. Row b
         samples with seed + b."""

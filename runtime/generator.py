@@ -29,7 +29,7 @@ from .backends import create_backend
 from .draft_length import DraftLength, TreeChoice
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
-from .proposers import DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
+from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
@@ -150,7 +150,7 @@ class Generator:
     def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
-               ngram: tuple[int, int] = (2, 4), adaptive: bool = True, reuse: bool = False,
+               ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True, reuse: bool = False,
                tree: int = 0, min_new_tokens: int = 0) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
@@ -300,7 +300,7 @@ class Generator:
 
     def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_ids: list[int] | None = None, ngram: tuple[int, int] = (2, 4),
+                 stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
                  min_new_tokens: int = 0) -> GenerationResult:
         stats = Stats()

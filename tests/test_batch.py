@@ -305,8 +305,8 @@ def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
     g1, g3 = gens
     held = sorted({p[i] for p in PROMPTS for i in range(3)})  # a prompt repeats its start: lookup copies it
     proposed, fed = [], []
-    lookup, run_rows = batch.ngram_lookup, g3.target.run_rows
-    monkeypatch.setattr(batch, "ngram_lookup", lambda *a: proposed.append(lookup(*a)) or proposed[-1])
+    lookup, run_rows = batch.ngram_chain, g3.target.run_rows
+    monkeypatch.setattr(batch, "ngram_chain", lambda *a: proposed.append(lookup(*a)) or proposed[-1])
     monkeypatch.setattr(g3.target, "run_rows", lambda feeds: fed.extend(feeds) or run_rows(feeds))
     results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=held, min_new_tokens=NEW,
                                 adaptive=False)

@@ -7,7 +7,7 @@ from conftest import CHUNK
 from specedge.errors import GenerationError
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.runtime.generator import Generator
-from specedge.runtime.proposers import Proposal, ngram_lookup, ngram_tree
+from specedge.runtime.proposers import NgramProposer, Proposal, ngram_lookup, ngram_tree
 from specedge.runtime.tree import TreeLayout, spine_length, spine_plus_leaves
 
 NEW = 40
@@ -62,6 +62,19 @@ def test_ngram_tree_spine_is_the_chain_and_leaves_are_other_matches():
     assert len(tokens) == 4 and tokens[:3] == [40, 9, a]
     chained, _ = ngram_tree(np.array([1, 2, 3, 1, 2]), 6, 6, 2, 4)
     assert chained == [3, 1, 2, 3, 1, 2]  # a continuation that runs into the end is looked up again
+
+
+def test_prompt_lookup_prefers_the_longest_suffix_and_chains_its_continuation():
+    lookup = NgramProposer()  # the default suffix sizes
+    # The last 5 tokens occurred once, followed by 50; their last 4 also occurred later, followed by 60.
+    context = [9, 1, 2, 3, 4, 50, 51, 7, 1, 2, 3, 4, 60, 61, 7, 9, 1, 2, 3, 4]
+    assert lookup.propose(context, 2, None).tokens == [50, 51]
+    assert NgramProposer(2, 4).propose(context, 2, None).tokens == [60, 61]  # 4 tokens: the most recent match
+    # A continuation that runs into the end of the context is looked up again, up to k tokens.
+    assert ngram_lookup(np.array([1, 2, 3, 1, 2]), 6, 2, 8) == [3, 1, 2]
+    assert lookup.propose([1, 2, 3, 1, 2], 6, None).tokens == [3, 1, 2, 3, 1, 2]
+    assert lookup.propose([1, 2, 3, 1, 2], 6, None).tokens == ngram_tree(np.array([1, 2, 3, 1, 2]), 6, 6, 2, 8)[0]
+    assert lookup.propose([1, 2, 3, 4], 6, None).tokens == []  # no suffix seen before: nothing to propose
 
 
 def few_symbols(length: int, seed: int) -> list[int]:
