@@ -293,22 +293,29 @@ def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scal
 
 
 def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
-    """RMSNorm that never squares a large number: x / m / sqrt(mean((x/m)^2) + eps/m^2) with m = max|x| per row,
+    """RMSNorm that never squares a large number: x / (m * sqrt(mean((x/m)^2) + eps/m/m)) with m = max|x| per row,
     the same value in exact arithmetic. For fp16 compute (Qualcomm's HTP): real residual streams reach |x| ~ 2.5e4
-    (SmolLM2), whose square overflows fp16 (max 65504) and turns the plain norm's output into zeros."""
+    (SmolLM2), whose square overflows fp16 (max 65504) and turns the plain norm's output into zeros.
+    Every division is by sqrt(m) or by sqrt(m) * rms, never by m: the HTP divides by multiplying with the
+    reciprocal, and 1/m for m above 16384 is an fp16 subnormal, which it flushes to zero (SmolLM2's rows with the
+    massive activation came out as zeros); 1/sqrt(m) is a normal fp16 number for any finite m."""
     if g.opset >= 18:
         peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), g.ints(-1), keepdims=1, label=NORM)
     else:
         peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), axes=[-1], keepdims=1, label=NORM)
     peak = g.op("Add", peak, g.const(1e-3, dtype), label=NORM)  # a row of zeros stays zeros, not NaN
-    y = g.op("Div", x, peak, label=NORM)
+    root = g.op("Sqrt", peak, label=NORM)
+    half = g.op("Div", x, root, label=NORM)  # x / sqrt(m), |.| <= sqrt(m)
+    y = g.op("Div", half, root, label=NORM)  # x / m, in [-1, 1]
     if g.opset >= 18:
         var = g.op("ReduceMean", g.op("Mul", y, y, label=NORM), g.ints(-1), keepdims=1, label=NORM)  # in [1/D, 1]
     else:
         var = g.op("ReduceMean", g.op("Mul", y, y, label=NORM), axes=[-1], keepdims=1, label=NORM)
-    tiny = g.op("Div", g.const(eps, dtype), g.op("Mul", peak, peak, label=NORM), label=NORM)  # eps/m^2; 0 on overflow
+    # eps/m^2 as (eps/m)/m: m^2 overflows fp16 for m > 255, and the HTP's eps/inf is not 0 (a one-token step of
+    # SmolLM2 got a norm 20x off from it).
+    tiny = g.op("Div", g.op("Div", g.const(eps, dtype), peak, label=NORM), peak, label=NORM)
     rms = g.op("Sqrt", g.op("Add", var, tiny, label=NORM), label=NORM)
-    return g.op("Mul", g.op("Div", y, rms, label=NORM), weight)
+    return g.op("Mul", g.op("Div", half, g.op("Mul", root, rms, label=NORM), label=NORM), weight)
 
 
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,

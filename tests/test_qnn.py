@@ -305,11 +305,12 @@ def test_graph_with_unplaceable_nodes_names_them(tiny_bundle, tmp_path):
 @pytest.mark.slow
 def test_smollm2_on_qnn_every_node_placed_and_top1_measured(smollm2_path, tmp_path_factory):
     """The real model in the qnn-fp16 flavour on the emulated HTP, teacher-forced over 16 tokens of CPU float32
-    greedy output. Every node runs on QNN. Top-1 agreement is far from exact: measured 9/16 (the float32 graphs
-    without the flavour's scaled RMSNorm: 0/16, their norms overflow fp16). The HTP's fp16 errors grow layer by
-    layer (about 1% of the residual by layer 3) until SmolLM2's massive activation (|x| ~ 2.5e4 on the CPU,
-    from layer 10's MLP) does not form; the same graphs on the CPU in fp16 agree 16/16. This floor guards
-    against regressions; it is not a quality bar."""
+    greedy output. Every node runs on QNN, and the top-1 choices are the CPU's: measured 16/16 on this prompt and
+    another. It was 9/16 while the scaled RMSNorm divided by its row's max |x| m and added eps/m^2: the HTP
+    divides by multiplying with the reciprocal and flushes fp16 subnormals, so 1/m for m > 16384 (SmolLM2's
+    massive activation, |x| ~ 2.5e4) was 0, and m^2 overflowed to inf for m > 255, where the HTP's eps/inf is
+    not 0 (a one-token step's norms came out 20x off). The float32 graphs without the flavour's scaled norm agree
+    0/16: their squares overflow fp16."""
     root = tmp_path_factory.mktemp("smollm2_qnn")
     small = dict(context=256, prefill_chunk=32, gammas=(4,))
     cpu_bundle, qnn_bundle = str(root / "cpu"), str(root / "qnn")
@@ -324,7 +325,7 @@ def test_smollm2_on_qnn_every_node_placed_and_top1_measured(smollm2_path, tmp_pa
         got = [int(qnn.target.run([t]).argmax()) for t in [prompt[-1]] + want[:-1]]
         agree = sum(a == b for a, b in zip(got, want))
         print(f"SmolLM2 qnn-fp16 top-1 agreement with CPU float32: {agree}/{n}", file=sys.stderr)
-        assert agree >= n // 2, (got, want)
+        assert agree >= n - 1, (got, want)
         assert qnn.backend.loads and all(r.all_on_qnn for r in qnn.backend.loads)
     finally:
         cpu.close()

@@ -200,3 +200,48 @@ def test_smollm2_qdq16_keeps_the_residual_stream_in_float_and_agrees_with_float3
     finally:
         cpu.close()
         q.close()
+
+
+def test_a_product_of_two_activations_is_exact_enough_on_the_htp(tmp_path):
+    """The emulated HTP computes a uint16 x uint16 MatMul whose second operand has a zero point far from 0 badly
+    wrong: SmolLM2's layer-0 probabilities x values (values uint16 with zero point 38000) came out 26% off, against
+    0.01% on the CPU for the same quantized inputs. The flavour's quantization (export/qdq.py) hands the second
+    operand of every product of two activations to it as symmetric int16. One such product, built like
+    attention's (peaked probabilities; values in an off-centre range, as SmolLM2's layer 0 has), quantized by the
+    flavour's own code, then agrees with float on the HTP within 0.1% (as uint16 with its zero point: 6.7%)."""
+    from onnx import TensorProto, helper
+
+    from specedge.export.qdq import _quantize_graph
+    from specedge.runtime.backends.qnn import QnnBackend, QnnOptions
+
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((1, 3, 96, 128)) * 4
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    values = rng.uniform(-0.54, 0.38, (1, 3, 128, 64)).astype(np.float32)
+    want = probs @ values
+    graph = helper.make_graph([helper.make_node("MatMul", ["probs", "values"], ["out"], name="pv")], "pv", [
+        helper.make_tensor_value_info("probs", TensorProto.FLOAT, probs.shape),
+        helper.make_tensor_value_info("values", TensorProto.FLOAT, values.shape)],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, want.shape)])
+    path = str(tmp_path / "pv.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), path)
+    # The values' range is the one they share with the cache (past_value, ScatterElements), wider than a step's.
+    ranges = {"probs": (0.0, 1.0), "values": (-10.0, 7.27), "out": (float(want.min()), float(want.max()))}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    quantized = _quantize_graph(path, ranges, str(scratch)).SerializeToString()
+
+    import onnxruntime as ort
+    backend = QnnBackend(None, QnnOptions(soc_model="60"))
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    options.add_provider_for_devices(backend._devices, backend.provider_options())
+    feeds = {"probs": probs, "values": values}
+    on_htp = ort.InferenceSession(quantized, options).run(None, feeds)[0]
+    on_cpu = ort.InferenceSession(quantized, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    def rel(x):
+        return float(np.linalg.norm(x - want) / np.linalg.norm(want))
+
+    assert rel(on_cpu) < 0.01 and rel(on_htp) < 0.01, (rel(on_cpu), rel(on_htp))
