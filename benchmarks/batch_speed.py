@@ -1,5 +1,6 @@
-"""Batch throughput: B prompts through a --batch B bundle against the same prompts one at a time through a
---batch 1 bundle of the same model, interleaved in one process; every row's tokens are checked equal.
+"""Batch throughput: prompts through a --batch B bundle (B at a time; with --limit above B the next prompt takes
+the first row freed) against the same prompts one at a time through a --batch 1 bundle of the same model,
+interleaved in one process (repeat -> proposer -> batch 1, batch B); every row's tokens are checked equal.
 
     python benchmarks/batch_speed.py BUNDLE_B1 BUNDLE_BN [--prompts tools/prompts/suite.jsonl] [--limit 4]
         [--max-new-tokens 128] [--proposers none,ngram] [--gamma 4] [--repeats 3] [--threads 2] [--json OUT]
@@ -40,27 +41,37 @@ def main() -> int:
     for proposer in a.proposers.split(","):  # one untimed run each first: sessions are created on first use
         g1.generate(prompts[0], 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
         gb.generate_batch(prompts, 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
-    for proposer in a.proposers.split(","):
-        t1, tb, identical = [], [], True
-        for _ in range(a.repeats):
+    proposers = a.proposers.split(",")
+    t1 = {q: [] for q in proposers}
+    tb = {q: [] for q in proposers}
+    identical = dict.fromkeys(proposers, True)
+    for _ in range(a.repeats):  # repeat -> proposer: drift on a shared machine hits every configuration alike
+        for proposer in proposers:
             began = time.perf_counter()
-            singles = [g1.generate(q, a.max_new_tokens, proposer=proposer, gamma=a.gamma, min_new_tokens=a.max_new_tokens).tokens
-                       for q in prompts]
-            t1.append(time.perf_counter() - began)
+            singles = [g1.generate(q, a.max_new_tokens, proposer=proposer, gamma=a.gamma,
+                                   min_new_tokens=a.max_new_tokens).tokens for q in prompts]
+            t1[proposer].append(time.perf_counter() - began)
             began = time.perf_counter()
-            batch = gb.generate_batch(prompts, a.max_new_tokens, proposer=proposer, gamma=a.gamma, min_new_tokens=a.max_new_tokens)
-            tb.append(time.perf_counter() - began)
-            identical &= [r.tokens for r in batch] == singles
-        tokens = len(prompts) * a.max_new_tokens
-        one, many = tokens / np.median(t1), tokens / np.median(tb)
+            batch = gb.generate_batch(prompts, a.max_new_tokens, proposer=proposer, gamma=a.gamma,
+                                      min_new_tokens=a.max_new_tokens)
+            tb[proposer].append(time.perf_counter() - began)
+            identical[proposer] &= [r.tokens for r in batch] == singles
+    tokens = len(prompts) * a.max_new_tokens
+    for proposer in proposers:
+        one, many = tokens / np.median(t1[proposer]), tokens / np.median(tb[proposer])
         rows.append({"proposer": proposer, "gamma": a.gamma if proposer != "none" else 0, "prompts": len(prompts),
                      "batch1_tok_s": round(one, 1), "batch_tok_s": round(many, 1), "ratio": round(many / one, 2),
-                     "identical": identical})
-    print(f"| proposer | prompts | batch 1, one after another (tok/s) | batch {gb.batch} (tok/s) | ratio | identical |")
-    print("|---|---|---|---|---|---|")
+                     "identical": identical[proposer]})
+    plain = next((r["batch_tok_s"] for r in rows if r["proposer"] == "none"), None)
+    for r in rows:
+        r["vs_batch_plain"] = round(r["batch_tok_s"] / plain, 2) if plain else None
+    print(f"| proposer | prompts | batch 1, one after another (tok/s) | batch {gb.batch} (tok/s) | ratio | "
+          f"vs batch {gb.batch} plain | identical |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         name = r["proposer"] + (f" g={r['gamma']}" if r["gamma"] else "")
-        print(f"| {name} | {r['prompts']} | {r['batch1_tok_s']} | {r['batch_tok_s']} | {r['ratio']:.2f}x | {r['identical']} |")
+        print(f"| {name} | {r['prompts']} | {r['batch1_tok_s']} | {r['batch_tok_s']} | {r['ratio']:.2f}x | "
+              f"{r['vs_batch_plain']}x | {r['identical']} |")
     note = (f"{platform.processor() or platform.machine()}, threads {a.threads}, {a.max_new_tokens} new tokens per "
             f"prompt, end to end (prefill included), median of {a.repeats}")
     print(note)

@@ -8,7 +8,8 @@ move. Prefill runs chunk by chunk for the rows that have prompt left.
 
 `BatchRunner` is that loop one step at a time, with rows that join and leave whenever a caller wants
 (continuous batching: the server admits a request into a free row while the others keep generating);
-`BatchGenerator.generate_batch` runs a fixed set of prompts through it.
+`BatchGenerator.generate_batch` runs a list of prompts of any length through it, B at a time, each taking the
+first row another one frees.
 
 Why a row's output equals its batch-1 output: the step graphs compute every row of a step independently,
 and each row bit for bit like a one-token step at its slot (docs/bundle.md, position consistency), so the
@@ -409,23 +410,33 @@ class BatchGenerator:
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                        adaptive: bool = True, min_new_tokens: int = 0) -> list[GenerationResult]:
-        """Generate for up to B prompts in one batch; returns one GenerationResult per prompt, in order. Row b
-        samples with seed + b."""
-        if not 1 <= len(prompts) <= self.batch:
-            raise GenerationError(f"{len(prompts)} prompts for a bundle of batch {self.batch} (export with "
-                                  f"--batch N for up to N prompts at once)")
+        """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
+        prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
+        (continuous batching), so the verify steps stay full while the sequences end at different rounds.
+        A newcomer goes to the free row whose cache holds the longest prefix of it (a shared system prompt is
+        prefilled once per row) and is prefilled before the next decode step: every step then carries as many
+        rows as it can. Prompt i samples with seed + i."""
+        if not prompts:
+            raise GenerationError("no prompts")
         prompts = [[int(t) for t in p] for p in prompts]
         runner = self.runner
         runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p)  # before any row starts
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
         self.target.reset()
-        for b, p in enumerate(prompts):
-            runner.admit(b, p, max_new_tokens, proposer, gamma, temperature, top_k, top_p,
-                         None if seed is None else seed + b, stop_ids, ngram, adaptive, min_new_tokens)
-        while runner.prefill_step():
-            pass
-        while runner.active:
+        waiting = list(range(len(prompts)))
+        running: dict[int, int] = {}  # row -> prompt index
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        while waiting or running:
+            while waiting and (b := runner.free_row(prompts[waiting[0]])) is not None:
+                i = waiting.pop(0)
+                runner.admit(b, prompts[i], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
+                             None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens)
+                running[b] = i
+            while runner.prefill_step():
+                pass
             runner.decode_step()
-        rows = [runner.release(b) for b in range(len(prompts))]
-        return [GenerationResult(r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None)
-                for r in rows]
+            for b in [b for b in running if runner.rows[b].reason]:
+                r = runner.release(b)
+                results[running.pop(b)] = GenerationResult(
+                    r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None)
+        return results

@@ -151,8 +151,9 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt-ids", type=_ints, metavar="1,2,3", help="prompt as token ids")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help="a batch: one prompt per line ({\"prompt\": text}, {\"messages\": chat} or "
-                     "{\"prompt_ids\": [...]}), at most the bundle's --batch B; prints one JSON line per prompt "
-                     "(proposers none and ngram)")
+                     "{\"prompt_ids\": [...]}), any number: up to the bundle's --batch B run at once and the next "
+                     "takes the first row freed; prints one JSON line per prompt, in order "
+                     "(proposers none, ngram and draft)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the bundle's chat template as a user turn")
     p.add_argument("--session", metavar="FILE",
                    help="keep the KV cache in FILE between runs: the prompt's longest prefix that FILE's conversation "

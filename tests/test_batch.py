@@ -51,13 +51,38 @@ def test_each_row_equals_its_batch_1_greedy_output(gens, proposer, gamma):
 
 
 def test_sampled_rows_repeat_their_batch_1_runs(gens):
-    """Row b draws from its own generator seeded seed + b."""
+    """Prompt i draws from its own generator seeded seed + i (here prompt b runs in row b)."""
     g1, g3 = gens
     results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, temperature=0.9, top_k=50, seed=11,
                                 stop_ids=[])
     for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
         assert res.tokens == g1.generate(prompt, NEW, proposer="ngram", gamma=4, temperature=0.9, top_k=50,
                                          seed=11 + b, stop_ids=[]).tokens
+
+
+def test_more_prompts_than_rows_refill_freed_rows_and_equal_batch_1(gens, monkeypatch):
+    """Seven prompts through three rows: each prompt takes the first row freed (speculation ends the rows at
+    different rounds), preferring a row whose cache holds a prefix of it; greedy and sampled (prompt i with
+    seed + i) outputs equal batch 1."""
+    g1, g3 = gens
+    shared = prompt_of(2 * CHUNK, 7)  # a "system prompt" every prompt starts with
+    tails = [prompt_of(n, seed) for n, seed in ((5, 1), (9, 2), (CHUNK + 1, 3), (12, 4), (3 * CHUNK + 5, 5), (6, 8),
+                                                (CHUNK, 9))]
+    prompts = [shared + t for t in tails]
+    rows_used = []
+    admit = g3.runner.admit
+    monkeypatch.setattr(g3.runner, "admit", lambda b, *a, **k: rows_used.append(b) or admit(b, *a, **k))
+    for kwargs in (dict(adaptive=False), dict(temperature=0.5, top_k=3, seed=11, adaptive=False)):
+        rows_used.clear()
+        results = g3.generate_batch(prompts, NEW, proposer="ngram", gamma=4, stop_ids=[], **kwargs)
+        assert len(rows_used) == len(prompts) and set(rows_used) == set(range(B))
+        for i, (prompt, res) in enumerate(zip(prompts, results)):
+            one = dict(kwargs, seed=11 + i) if "seed" in kwargs else kwargs
+            assert res.prompt_ids == prompt and len(res.tokens) == NEW
+            assert res.tokens == g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], **one).tokens
+        assert 0 < sum(r.stats.accepted for r in results) < sum(r.stats.proposed for r in results)
+        # the first B prefill all of it; the rest find the shared prefix in the freed row's cache
+        assert [r.stats.reused_tokens >= len(shared) for r in results] == [False] * B + [True] * (len(prompts) - B)
 
 
 def test_rows_prefill_alone_through_row_graphs(gens):
@@ -151,7 +176,7 @@ def test_layer_draft_rows_equal_their_batch_1_output(draft_gens, gamma):
 
 
 def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
-    """Row b draws its drafts and its acceptances from its own generator (seed + b), in batch 1's order."""
+    """Row b draws its drafts and acceptances from its own generator (prompt i: seed + i), in batch 1's order."""
     g1, g3 = draft_gens
     results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, temperature=0.8, top_p=0.9, seed=5,
                                 stop_ids=[])
@@ -318,7 +343,7 @@ def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"prompts": PROMPTS + [[5]]}, "4 prompts for a bundle of batch 3"),
+    ({"prompts": []}, "no prompts"),
     ({"prompts": [[5], []]}, "prompt 1 is empty"),
     ({"prompts": [[5]], "proposer": "draft"}, "needs a bundle with a draft model"),
     ({"prompts": [[5]], "proposer": "lookahead"}, "not available for batches; choose one of draft, ngram, none"),
