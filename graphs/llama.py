@@ -416,11 +416,14 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     if rep > 1:
         mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
     mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
-    # A T > 1 step puts its keys and values at their slots with ScatterND (whole D-rows), then scores all S
-    # slots with one product: about 7x faster than scattering every score and value element (ScatterElements;
-    # onnxruntime, S=256, T=64, in isolation),
-    # with the same dot products. The QNN flavours keep the element scatters the HTP was validated with.
+    # A T > 1 step puts its values at their slots with ScatterND (whole D-rows: the same copy of the past as
+    # ScatterElements, 4x faster at T=64 in isolation). A wide step (prefill) does the same with its keys and
+    # scores every slot in one product, the same dot products: scattering T*rep scores per slot into the
+    # scores costs more than copying D-wide key rows once T*rep > D. A narrow step (verify) keeps the score
+    # scatter, cheaper than a copy of the past keys there (batch 4, T=2: 1.06-1.09x the step time with it).
+    # The QNN flavours keep the element scatters the HTP was validated with.
     slot_scatter = multi and not (same_ops or scaled_norm)
+    key_scatter = slot_scatter and T * rep > D
     if multi:  # where the step's scores, values and own entries go (shared by every layer)
         length4 = g.op("Reshape", cache_len, g.ints(B, 1, 1, 1))
         at_slot = g.op("Add", length4, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T, 1)))  # [B, 1, T, 1]
@@ -429,9 +432,10 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             step_slots = g.op("Concat", g.const(grid.astype(np.int64)),
                               g.op("Expand", at_slot, g.ints(B, Hkv, T, 1)), axis=-1)
         else:
+            step_rows = g.op("Expand", at_slot, g.ints(B, Hkv, T, D))  # [B, Hkv, T, D]: slot of step token t's value row
+        if not key_scatter:
             step_cols = g.op("Expand", g.op("Add", length4, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, 1, T))),
                              g.ints(B, Hkv, T * rep, T))  # [B, Hkv, T*rep, T]: slot of step token j
-            step_rows = g.op("Expand", at_slot, g.ints(B, Hkv, T, D))  # [B, Hkv, T, D]: slot of step token t's value row
         own_col = g.const(np.broadcast_to(np.repeat(np.arange(T, dtype=np.int64), rep).reshape(1, 1, T * rep, 1),
                                           (B, Hkv, T * rep, 1)).copy())  # row t*rep + r -> step token t
 
@@ -480,19 +484,16 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
         q = to_rows(q)
         scores_step = g.op("MatMul", q, g.op("Transpose", new_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, T]
-        if slot_scatter:
-            keys = g.op("ScatterND", past_k, step_slots, new_k)  # [B, Hkv, S, D]
-            scores_slots = g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
-            scores_own = g.op("GatherElements", scores_step, own_col, axis=3)  # [B, Hkv, T*rep, 1]
-            values = g.op("ScatterND", past_v, step_slots, new_v)  # [B, Hkv, S, D]
-        elif not multi:  # the step's only token is each row's own: [past | self] is already the slot order
-            scores_slots = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
+        keys = g.op("ScatterND", past_k, step_slots, new_k) if key_scatter else past_k  # [B, Hkv, S, D]
+        scores_slots = g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
+        if not multi:  # the step's only token is each row's own: [past | self] is already the slot order
             scores_own, values = scores_step, past_v
         else:
-            scores_past = g.op("MatMul", q, g.op("Transpose", past_k, perm=[0, 1, 3, 2]))  # [B, Hkv, T*rep, S]
-            scores_slots = g.op("ScatterElements", scores_past, step_cols, scores_step, axis=3)
+            if not key_scatter:
+                scores_slots = g.op("ScatterElements", scores_slots, step_cols, scores_step, axis=3)
             scores_own = g.op("GatherElements", scores_step, own_col, axis=3)  # [B, Hkv, T*rep, 1]
-            values = g.op("ScatterElements", past_v, step_rows, new_v, axis=2)  # [B, Hkv, S, D]
+            values = (g.op("ScatterND", past_v, step_slots, new_v) if slot_scatter
+                      else g.op("ScatterElements", past_v, step_rows, new_v, axis=2))  # [B, Hkv, S, D]
         scores = g.op("Add", g.op("Concat", scores_slots, scores_own, axis=-1), mask)  # [B, Hkv, T*rep, S+1]
         probs_slots, probs_own = g.op("Split", g.op("Softmax", scores, axis=-1), g.ints(S, 1), axis=-1, outputs=2)
         if not multi:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below
