@@ -66,6 +66,28 @@ def test_check_passes_on_a_good_bundle(tiny_bundle):
     assert "target: exact rows:" in r.stdout and "draft: exact rows:" in r.stdout
 
 
+def test_wide_steps_scatter_keys_and_narrow_steps_scatter_scores(tiny_bundle):
+    """A step with T*rep > head_dim (prefill, and the tiny model's T=9 verify) scatters its keys into the past
+    and scores all slots in one product; a narrower one scatters its scores; every T > 1 step scatters its
+    values as whole rows. Both layouts are in the tiny bundle, and check's exact rows covers them
+    (test_check_passes_on_a_good_bundle)."""
+    m = load_manifest(tiny_bundle).target
+    d = m.dims
+    rep = d.num_heads // d.num_kv_heads
+    seen = set()
+    for g in m.graphs:
+        ops = [n.op_type for n in onnx.load(os.path.join(tiny_bundle, g.file), load_external_data=False).graph.node]
+        scatters = (ops.count("ScatterND"), ops.count("ScatterElements"))
+        if g.tokens == 1:
+            assert scatters == (0, 0), g.file
+            continue
+        wide = g.tokens * rep > d.head_dim
+        seen.add(wide)
+        # per layer: keys and values (wide), or values and scores (narrow)
+        assert scatters == ((2 * d.num_layers, 0) if wide else (d.num_layers, d.num_layers)), g.file
+    assert seen == {True, False}
+
+
 def test_check_catches_rows_that_differ_from_decode(tiny_bundle, tmp_path):
     """A verify graph whose rows differ from decode in the last bits (logits scaled by 1 + 2**-20, one ulp
     or so) breaks exact speculation; check's exact-rows comparison must see it."""
