@@ -38,10 +38,10 @@ def main() -> int:
     items = [i for i in items if a.kind is None or i.get("kind") == a.kind][: a.limit or gb.batch]
     prompts = [g1.tokenizer.apply_chat_template(i["messages"]) for i in items]
     rows = []
-    for proposer in a.proposers.split(","):  # one untimed run each first: sessions are created on first use
+    proposers = a.proposers.split(",")
+    for proposer in proposers:  # one untimed run each first: sessions are created on first use
         g1.generate(prompts[0], 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
         gb.generate_batch(prompts, 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
-    proposers = a.proposers.split(",")
     t1 = {q: [] for q in proposers}
     tb = {q: [] for q in proposers}
     identical = dict.fromkeys(proposers, True)

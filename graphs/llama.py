@@ -420,7 +420,8 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     # ScatterElements, 4x faster at T=64 in isolation). A wide step (prefill) does the same with its keys and
     # scores every slot in one product, the same dot products: scattering T*rep scores per slot into the
     # scores costs more than copying D-wide key rows once T*rep > D. A narrow step (verify) keeps the score
-    # scatter, cheaper than a copy of the past keys there (batch 4, T=2: 1.06-1.09x the step time with it).
+    # scatter, cheaper than a copy of the past keys there (batch 4, T=2: 1.09x the step time with the key
+    # scatter, one measurement within about 5% noise).
     # The QNN flavours keep the element scatters the HTP was validated with.
     slot_scatter = multi and not (same_ops or scaled_norm)
     key_scatter = slot_scatter and T * rep > D
