@@ -1,0 +1,60 @@
+"""Time to first token of bundles of one model that differ in their prefill graphs (`--prefill-chunk`, graph
+changes), interleaved in one process: every prompt runs on each bundle in turn (the order alternating per
+prompt and repeat), so machine drift hits them alike. Plain decode of 4 tokens; the first token and the
+tokens after it are checked equal across bundles.
+
+    python benchmarks/prefill_ttft.py BUNDLE [BUNDLE ...]
+        [--prompts tools/prompts/suite.jsonl,tools/prompts/short_edits.jsonl] [--kind grounded] [--repeats 2]
+        [--threads 2]
+
+Prints each bundle's summed median TTFT over the prompts, its ratio to the first bundle, and the sums by
+prompt length (under 128, 128-255, 256 and more tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from specedge.runtime.generator import Generator
+from specedge.tools.bench import load_prompts
+
+BANDS = ((0, 128), (128, 256), (256, None))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("bundles", nargs="+")
+    p.add_argument("--prompts", default="tools/prompts/suite.jsonl,tools/prompts/short_edits.jsonl")
+    p.add_argument("--kind", default="grounded", help="only prompts of this kind (empty: all)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    gens = {b: Generator.load(b, threads=a.threads) for b in a.bundles}
+    items = [i for f in a.prompts.split(",") for i in load_prompts(f) if not a.kind or i["kind"] == a.kind]
+    prompts = [gens[a.bundles[0]].tokenizer.apply_chat_template(i["messages"]) for i in items]
+    for gen in gens.values():  # untimed: sessions of the buckets these prompts reach are created on first use
+        for ids in sorted(prompts, key=len)[-3:]:
+            gen.generate(ids, 2, proposer="none", min_new_tokens=2)
+    ttft = {b: [[] for _ in prompts] for b in a.bundles}
+    tokens = {b: [None] * len(prompts) for b in a.bundles}
+    for r in range(a.repeats):
+        for i, ids in enumerate(prompts):
+            for b in a.bundles if (i + r) % 2 == 0 else a.bundles[::-1]:
+                out = gens[b].generate(ids, 4, proposer="none", min_new_tokens=4)
+                tokens[b][i] = out.tokens
+                ttft[b][i].append(out.stats.ttft_ms)
+    median = {b: [statistics.median(t) for t in ttft[b]] for b in a.bundles}
+    first = a.bundles[0]
+    for b in a.bundles:
+        same = sum(tokens[b][i] == tokens[first][i] for i in range(len(prompts)))
+        print(f"{b}: TTFT {sum(median[b]):.0f} ms summed over {len(prompts)} prompts, "
+              f"{sum(median[b]) / sum(median[first]):.3f}x {first}, tokens identical {same}/{len(prompts)}")
+    for lo, hi in BANDS:
+        band = [i for i, ids in enumerate(prompts) if len(ids) >= lo and (hi is None or len(ids) < hi)]
+        sums = "  ".join(f"{b} {sum(median[b][i] for i in band):.0f} ms" for b in a.bundles)
+        print(f"prompts of {lo}{f'-{hi - 1}' if hi else '+'} tokens ({len(band)}): {sums}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
