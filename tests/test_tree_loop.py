@@ -7,7 +7,7 @@ from conftest import CHUNK
 from specedge.errors import GenerationError
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.runtime.generator import Generator
-from specedge.runtime.proposers import NgramProposer, Proposal, ngram_lookup, ngram_tree
+from specedge.runtime.proposers import NgramProposer, Proposal, match_starts, ngram_lookup, ngram_tree
 from specedge.runtime.tree import TreeLayout, spine_length, spine_plus_leaves
 
 NEW = 40
@@ -75,6 +75,28 @@ def test_prompt_lookup_prefers_the_longest_suffix_and_chains_its_continuation():
     assert lookup.propose([1, 2, 3, 1, 2], 6, None).tokens == [3, 1, 2, 3, 1, 2]
     assert lookup.propose([1, 2, 3, 1, 2], 6, None).tokens == ngram_tree(np.array([1, 2, 3, 1, 2]), 6, 6, 2, 8)[0]
     assert lookup.propose([1, 2, 3, 4], 6, None).tokens == []  # no suffix seen before: nothing to propose
+
+
+def test_match_starts_follows_its_definition_on_random_contexts():
+    """The definition, spelled out: for n = n_max down to n_min, every earlier window of n tokens (never the
+    suffix itself) equal to the last n, most recent first; yield where its continuation starts."""
+    def by_definition(context, n_min, n_max):
+        out = []
+        for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
+            suffix = list(context[len(context) - n:])
+            out += [s + n for s in range(len(context) - 1 - n, -1, -1) if list(context[s:s + n]) == suffix]
+        return out
+
+    rng = np.random.default_rng(7)
+    found = 0
+    for _ in range(3000):
+        context = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(0, 30)))
+        n_min = int(rng.integers(1, 4))
+        n_max = n_min + int(rng.integers(0, 7))
+        expected = by_definition(context, n_min, n_max)
+        assert list(match_starts(context, n_min, n_max)) == expected, (context.tolist(), n_min, n_max)
+        found += bool(expected)
+    assert found > 1000  # the contexts did repeat themselves
 
 
 def few_symbols(length: int, seed: int) -> list[int]:
