@@ -22,23 +22,38 @@ import numpy as np
 from ..graphs.contract import ModelDims
 
 
+def new_kv_block(dims: ModelDims, rows: int, tokens: int) -> np.ndarray:
+    """Zeroed output buffers for a step's new K/V: [2, L, rows, H_kv, T, D]; block[0][i] and block[1][i] are
+    layer i's `new_key` / `new_value` outputs (contiguous, bound as they are), and the whole block goes to
+    KVCache.append in one copy."""
+    return np.zeros((2, dims.num_layers, rows, dims.num_kv_heads, tokens, dims.head_dim), np.dtype(dims.dtype))
+
+
 class KVCache:
     def __init__(self, dims: ModelDims, buckets: list[int] | None = None):
         self.dims = dims
         self.buckets = sorted(set(buckets or []) | {dims.context})
         self.length = np.zeros(dims.batch, dtype=np.int64)  # bound as `cache_len` in every graph
+        self._blocks: dict[int, np.ndarray] = {}  # bucket -> [2, L, B, H_kv, S_b, D]: every K, then every V
         self._buffers: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._bucket = self.buckets[0]
         self.promotions = 0  # bucket changes, for the stats
 
     def buffers(self, bucket: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """K and V buffers ([B, H_kv, bucket, D] per layer), allocated on first use."""
+        """K and V buffers ([B, H_kv, bucket, D] per layer), allocated on first use: contiguous views of one
+        block (`block`), so that a step's new entries for all layers are stored with one copy."""
         if bucket not in self._buffers:
-            d = self.dims
-            shape, dtype = (d.batch, d.num_kv_heads, bucket, d.head_dim), np.dtype(d.dtype)
-            self._buffers[bucket] = ([np.zeros(shape, dtype) for _ in range(d.num_layers)],
-                                     [np.zeros(shape, dtype) for _ in range(d.num_layers)])
+            block = self.block(bucket)
+            self._buffers[bucket] = (list(block[0]), list(block[1]))
         return self._buffers[bucket]
+
+    def block(self, bucket: int) -> np.ndarray:
+        """The buffers of a bucket as one array [2, L, B, H_kv, bucket, D] (K of every layer, then V)."""
+        if bucket not in self._blocks:
+            d = self.dims
+            self._blocks[bucket] = np.zeros((2, d.num_layers, d.batch, d.num_kv_heads, bucket, d.head_dim),
+                                            np.dtype(d.dtype))
+        return self._blocks[bucket]
 
     @property
     def bucket(self) -> int:
@@ -73,34 +88,31 @@ class KVCache:
         if bucket < self.bucket or bucket not in self.buckets:
             raise ValueError(f"cannot move the cache from bucket {self.bucket} to {bucket}")
         n = self.used
-        old_k, old_v = self.buffers(self.bucket)
-        new_k, new_v = self.buffers(bucket)
-        for src, dst in zip(old_k + old_v, new_k + new_v):
-            dst[:, :, :n] = src[:, :, :n]
+        self.buffers(bucket)  # allocated, and its per-layer views made once
+        self.block(bucket)[..., :n, :] = self.block(self.bucket)[..., :n, :]
         self._bucket = bucket
         self.promotions += 1
 
-    def append(self, new_keys: list[np.ndarray], new_values: list[np.ndarray], counts: list[int]) -> None:
-        """Per row b, store the first counts[b] entries of a step's new K/V ([B, H_kv, T, D] each) after that
-        row's valid ones."""
+    def append(self, new_kv: np.ndarray, counts: list[int]) -> None:
+        """Per row b, store the first counts[b] entries of a step's new K/V (new_kv [2, L, B, H_kv, T, D], K of
+        every layer then V, as `new_kv_block` lays them out) after that row's valid ones."""
         for b, n in enumerate(counts):
-            self.append_row(b, [k[b:b + 1] for k in new_keys], [v[b:b + 1] for v in new_values], n)
+            self.append_row(b, new_kv[:, :, b:b + 1], n)
 
-    def append_row(self, row: int, new_keys: list[np.ndarray], new_values: list[np.ndarray], n: int) -> None:
-        """Store the first n entries of a one-row step's new K/V ([1, H_kv, T, D] each) after row `row`'s
-        valid ones."""
+    def append_row(self, row: int, new_kv: np.ndarray, n: int) -> None:
+        """Store the first n entries of a one-row step's new K/V (new_kv [2, L, 1, H_kv, T, D]) after row
+        `row`'s valid ones."""
         start = int(self.length[row])
         if start + n > self.bucket:
             raise ValueError(f"cache overflow in row {row}: {start} + {n} > bucket {self.bucket}")
-        if n:
-            for buf, new in zip(self.keys + self.values, new_keys + new_values):
-                buf[row, :, start:start + n] = new[0, :, :n]
+        if n:  # one copy for every layer (60 small copies cost 3-4x as much after a run)
+            self.block(self.bucket)[:, :, row, :, start:start + n] = new_kv[:, :, 0, :, :n]
         self.length[row] = start + n
 
     def move_entry(self, src: int, dst: int) -> None:
         """Copy slot src to slot dst in every layer (batch 1): a tree node accepted off the first chain."""
-        for buf in self.keys + self.values:
-            buf[0, :, dst] = buf[0, :, src]
+        block = self.block(self.bucket)
+        block[:, :, 0, :, dst] = block[:, :, 0, :, src]
 
     def set_row_length(self, row: int, n: int) -> None:
         """Commit or roll back one row of a batch."""
@@ -136,7 +148,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for k, v in self._buffers.values() for a in k + v)
+        return sum(a.nbytes for a in self._blocks.values())
 
 
 class SharedKVCache(KVCache):
@@ -166,6 +178,9 @@ class SharedKVCache(KVCache):
     def buffers(self, bucket: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         keys, values = self.parent.buffers(bucket)
         return keys[: self.dims.num_layers], values[: self.dims.num_layers]
+
+    def block(self, bucket: int) -> np.ndarray:
+        return self.parent.block(bucket)[:, : self.dims.num_layers]
 
     def use_bucket(self, bucket: int) -> None:
         if bucket == self.parent.bucket:

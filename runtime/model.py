@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import BackendError, BundleError, PlacementError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
-from .kv_cache import KVCache, SharedKVCache
+from .kv_cache import KVCache, SharedKVCache, new_kv_block
 from .tree import TreeLayout
 
 
@@ -29,8 +29,7 @@ class _Step:
         self.input_ids = np.zeros((B, T), np.int64)
         self.position_ids = np.zeros((B, T), np.int64)
         self.logits = np.zeros((B, T, dims.vocab_size), np.float32) if graph.role == C.STEP else None
-        self.new_keys = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
-        self.new_values = [np.zeros(dims.new_kv_shape(T), dims.dtype) for _ in range(dims.num_layers)]
+        self.new_kv = new_kv_block(dims, B, T)
         inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
         self.step_mask = None
         if graph.step_mask:  # a tree run fills it; a chain (which runs in a tree graph too) gets `causal`
@@ -42,7 +41,7 @@ class _Step:
             outputs[C.LOGITS] = self.logits
         for i in range(dims.num_layers):
             inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i], values[i]
-            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_keys[i], self.new_values[i]
+            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_kv[0, i], self.new_kv[1, i]
         session.bind(inputs, outputs)
         self.session = session
 
@@ -56,8 +55,7 @@ class _RowStep:
         self.session, self.tokens, self.context = session, T, graph.context
         self.input_ids = np.zeros((1, T), np.int64)
         self.position_ids = np.zeros((1, T), np.int64)
-        self.new_keys = [np.zeros((1,) + dims.new_kv_shape(T)[1:], dims.dtype) for _ in range(dims.num_layers)]
-        self.new_values = [np.zeros((1,) + dims.new_kv_shape(T)[1:], dims.dtype) for _ in range(dims.num_layers)]
+        self.new_kv = new_kv_block(dims, 1, T)
         self.row = None  # the row the session is bound to
 
     def bind(self, cache: KVCache, row: int) -> None:
@@ -69,7 +67,7 @@ class _RowStep:
         outputs = {}
         for i in range(len(keys)):
             inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i][row:row + 1], values[i][row:row + 1]
-            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_keys[i], self.new_values[i]
+            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_kv[0, i], self.new_kv[1, i]
         self.session.bind(inputs, outputs)
         self.row = row
 
@@ -85,6 +83,7 @@ class ModelRunner:
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
+        self._graph_buckets: dict[tuple[str, int, bool], list[int]] = {}  # (role, T, tree): buckets with it
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
@@ -184,7 +183,11 @@ class ModelRunner:
         """The smallest past length, at or above the active one, that has the graph and holds the cache plus
         all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1."""
         need = max(self.cache.bucket, self.cache.used + T)
-        return next(b for b in self.cache.buckets if b >= need and self.entry.graph(role, T, b, tree))
+        buckets = self._graph_buckets.get((role, T, tree))
+        if buckets is None:  # once per kind of graph: this runs before every step
+            buckets = [b for b in self.cache.buckets if self.entry.graph(role, T, b, tree)]
+            self._graph_buckets[(role, T, tree)] = buckets
+        return next(b for b in buckets if b >= need)
 
     def _execute(self, role: str, T: int, rows, tree: TreeLayout | None = None) -> _Step:
         """Run graph (role, T): row b feeds rows[b] (rows past len(rows), or empty, idle), padded to T, at its
@@ -206,7 +209,7 @@ class ModelRunner:
         elif step.step_mask is not None:  # a tree may have run in this graph last
             step.step_mask[:] = step.causal
         self._run(step.session)
-        self.cache.append(step.new_keys, step.new_values, counts)
+        self.cache.append(step.new_kv, counts)
         return step
 
     def _run(self, session) -> None:
@@ -325,7 +328,7 @@ class ModelRunner:
         step.input_ids[0, n:] = 0
         step.position_ids[0] = np.arange(start, start + T)
         self._run(step.session)
-        self.cache.append_row(row, step.new_keys, step.new_values, n)
+        self.cache.append_row(row, step.new_kv, n)
         return n
 
     def prefill_reusing(self, tokens: list[int]) -> int:
