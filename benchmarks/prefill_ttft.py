@@ -1,14 +1,16 @@
 """Time to first token of bundles of one model that differ in their prefill graphs (`--prefill-chunk`, graph
-changes), interleaved in one process: every prompt runs on each bundle in turn (the order alternating per
-prompt and repeat), so machine drift hits them alike. Plain decode of 4 tokens; the first token and the
-tokens after it are checked equal across bundles.
+changes, context buckets), interleaved in one process: every prompt runs on each bundle in turn (the order
+alternating per prompt and repeat), so machine drift hits them alike. Plain decode of 4 tokens by default;
+the output tokens are checked equal across bundles.
 
     python benchmarks/prefill_ttft.py BUNDLE [BUNDLE ...]
         [--prompts tools/prompts/suite.jsonl,tools/prompts/short_edits.jsonl] [--kind grounded] [--repeats 2]
-        [--threads 2]
+        [--threads 2] [--new-tokens 4] [--proposer none]
 
 Prints each bundle's summed median TTFT over the prompts, its ratio to the first bundle, and the sums by
-prompt length (under 128, 128-255, 256 and more tokens).
+prompt length (under 128, 128-255, 256 and more tokens). With more new tokens (EOS held back until then) it
+also prints each bundle's end-to-end and decode tokens/s (summed times, so long prompts weigh more), which
+compares whole runs of bundles that differ in their step graphs or buckets.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def main() -> int:
     p.add_argument("--kind", default="grounded", help="only prompts of this kind (empty: all)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--proposer", default="none", help="none or ngram (gamma 4)")
     a = p.parse_args()
     gens = {b: Generator.load(b, threads=a.threads) for b in a.bundles}
     items = [i for f in a.prompts.split(",") for i in load_prompts(f) if not a.kind or i["kind"] == a.kind]
@@ -37,18 +41,27 @@ def main() -> int:
             gen.generate(ids, 2, proposer="none", min_new_tokens=2)
     ttft = {b: [[] for _ in prompts] for b in a.bundles}
     tokens = {b: [None] * len(prompts) for b in a.bundles}
+    total_ms, decode_ms = {b: 0.0 for b in a.bundles}, {b: 0.0 for b in a.bundles}
     for r in range(a.repeats):
         for i, ids in enumerate(prompts):
             for b in a.bundles if (i + r) % 2 == 0 else a.bundles[::-1]:
-                out = gens[b].generate(ids, 4, proposer="none", min_new_tokens=4)
+                out = gens[b].generate(ids, a.new_tokens, proposer=a.proposer, gamma=4, min_new_tokens=a.new_tokens)
                 tokens[b][i] = out.tokens
                 ttft[b][i].append(out.stats.ttft_ms)
+                total_ms[b] += out.stats.total_ms
+                decode_ms[b] += out.stats.total_ms - out.stats.ttft_ms
     median = {b: [statistics.median(t) for t in ttft[b]] for b in a.bundles}
     first = a.bundles[0]
     for b in a.bundles:
         same = sum(tokens[b][i] == tokens[first][i] for i in range(len(prompts)))
         print(f"{b}: TTFT {sum(median[b]):.0f} ms summed over {len(prompts)} prompts, "
               f"{sum(median[b]) / sum(median[first]):.3f}x {first}, tokens identical {same}/{len(prompts)}")
+    if a.new_tokens > 4:
+        n = a.repeats * len(prompts)
+        for b in a.bundles:
+            print(f"{b}: {a.proposer}, {n * a.new_tokens * 1e3 / total_ms[b]:.1f} tok/s end to end "
+                  f"({total_ms[first] / total_ms[b]:.3f}x {first}), {n * (a.new_tokens - 1) * 1e3 / decode_ms[b]:.1f} "
+                  f"tok/s after the first token ({decode_ms[first] / decode_ms[b]:.3f}x)")
     for lo, hi in BANDS:
         band = [i for i, ids in enumerate(prompts) if len(ids) >= lo and (hi is None or len(ids) < hi)]
         sums = "  ".join(f"{b} {sum(median[b][i] for i in band):.0f} ms" for b in a.bundles)
