@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=4)
-    p.add_argument("--proposer", default="none", help="none or ngram (gamma 4)")
+    p.add_argument("--proposer", default="none", choices=["none", "ngram"], help="ngram runs with gamma 4")
     a = p.parse_args()
     gens = {b: Generator.load(b, threads=a.threads) for b in a.bundles}
     items = [i for f in a.prompts.split(",") for i in load_prompts(f) if not a.kind or i["kind"] == a.kind]
@@ -41,7 +41,7 @@ def main() -> int:
             gen.generate(ids, 2, proposer="none", min_new_tokens=2)
     ttft = {b: [[] for _ in prompts] for b in a.bundles}
     tokens = {b: [None] * len(prompts) for b in a.bundles}
-    total_ms, decode_ms = {b: 0.0 for b in a.bundles}, {b: 0.0 for b in a.bundles}
+    total_ms, new_tokens = {b: 0.0 for b in a.bundles}, {b: 0 for b in a.bundles}  # summed over every run
     for r in range(a.repeats):
         for i, ids in enumerate(prompts):
             for b in a.bundles if (i + r) % 2 == 0 else a.bundles[::-1]:
@@ -49,18 +49,19 @@ def main() -> int:
                 tokens[b][i] = out.tokens
                 ttft[b][i].append(out.stats.ttft_ms)
                 total_ms[b] += out.stats.total_ms
-                decode_ms[b] += out.stats.total_ms - out.stats.ttft_ms
+                new_tokens[b] += out.stats.new_tokens
     median = {b: [statistics.median(t) for t in ttft[b]] for b in a.bundles}
     first = a.bundles[0]
     for b in a.bundles:
         same = sum(tokens[b][i] == tokens[first][i] for i in range(len(prompts)))
         print(f"{b}: TTFT {sum(median[b]):.0f} ms summed over {len(prompts)} prompts, "
               f"{sum(median[b]) / sum(median[first]):.3f}x {first}, tokens identical {same}/{len(prompts)}")
-    if a.new_tokens > 4:
-        n = a.repeats * len(prompts)
+    if a.new_tokens > 4:  # after the first token: each run's time past its TTFT, and its tokens but the first
+        runs = a.repeats * len(prompts)
+        decode_ms = {b: total_ms[b] - sum(map(sum, ttft[b])) for b in a.bundles}
         for b in a.bundles:
-            print(f"{b}: {a.proposer}, {n * a.new_tokens * 1e3 / total_ms[b]:.1f} tok/s end to end "
-                  f"({total_ms[first] / total_ms[b]:.3f}x {first}), {n * (a.new_tokens - 1) * 1e3 / decode_ms[b]:.1f} "
+            print(f"{b}: {a.proposer}, {new_tokens[b] * 1e3 / total_ms[b]:.1f} tok/s end to end "
+                  f"({total_ms[first] / total_ms[b]:.3f}x {first}), {(new_tokens[b] - runs) * 1e3 / decode_ms[b]:.1f} "
                   f"tok/s after the first token ({decode_ms[first] / decode_ms[b]:.3f}x)")
     for lo, hi in BANDS:
         band = [i for i, ids in enumerate(prompts) if len(ids) >= lo and (hi is None or len(ids) < hi)]
