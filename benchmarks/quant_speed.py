@@ -8,7 +8,8 @@ Speed: every prompt runs plain greedy decode (`proposer="none"`, EOS ignored, so
 amount of work) on each bundle in turn, so machine drift hits all three alike; the table gives the median
 tokens/s per bundle and its ratio to float32. Memory: one child process per bundle runs the CLI's
 `generate` on the first prompt with prompt lookup (gamma 8) and reports its kernel peak RSS (VmHWM) against
-the weights file plus the KV buffers it allocated.
+the weights file plus the KV buffers it allocated, and, at the end of the run, its private memory (RssAnon)
+apart from its file-backed pages (RssFile: clean page cache of the libraries and the weights file).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ gen = Generator.load(bundle, threads=int(sys.argv[3]))
 gen.generate(ids, 128, proposer="ngram", gamma=8, stop_ids=[])
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 weights = sum(os.path.getsize(os.path.join(bundle, w)) for w in {m.weights for m in gen.manifest.models.values()})
-print(json.dumps({"peak_rss_mb": int(status["VmHWM"].split()[0]) / 1024, "weights_mb": weights / 2**20,
-                  "cache_mb": gen.target.cache.nbytes / 2**20}))
+mb = {k: int(status[k].split()[0]) / 1024 for k in ("VmHWM", "RssAnon", "RssFile")}
+print(json.dumps({"peak_rss_mb": mb["VmHWM"], "private_mb": mb["RssAnon"], "file_backed_mb": mb["RssFile"],
+                  "weights_mb": weights / 2**20, "cache_mb": gen.target.cache.nbytes / 2**20}))
 """
 
 
@@ -68,13 +70,15 @@ def main() -> None:
         memory[name] = json.loads(r.stdout.strip().splitlines()[-1])
 
     print(f"plain decode, {len(prompts)} prompts x {a.max_new_tokens} tokens, {a.threads} threads, end to end")
-    print("| bundle | tok/s (median) | vs float32 | peak RSS MB | weights + KV MB | RSS / (weights + KV) |")
-    print("|---|---|---|---|---|---|")
+    print("| bundle | tok/s (median) | vs float32 | peak RSS MB | weights + KV MB | RSS / (weights + KV) "
+          "| at the end: private MB (ratio), file-backed MB |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         m = memory[name]
         base = m["weights_mb"] + m["cache_mb"]
         print(f"| {name} | {medians[name]:.1f} | {medians[name] / medians['float32']:.2f}x | {m['peak_rss_mb']:.0f} | "
-              f"{base:.0f} | {m['peak_rss_mb'] / base:.2f} |")
+              f"{base:.0f} | {m['peak_rss_mb'] / base:.2f} | {m['private_mb']:.0f} ({m['private_mb'] / base:.2f}), "
+              f"{m['file_backed_mb']:.0f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"argv": sys.argv, "rates": rates, "medians": medians, "memory": memory}, f, indent=1)
