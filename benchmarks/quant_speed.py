@@ -21,16 +21,12 @@ import sys
 import time
 
 CHILD = r"""
-import json, os, sys
+import json, sys
 from specedge.runtime.generator import Generator
-bundle, ids = sys.argv[1], json.loads(sys.argv[2])
-gen = Generator.load(bundle, threads=int(sys.argv[3]))
-gen.generate(ids, 128, proposer="ngram", gamma=8, stop_ids=[])
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-weights = sum(os.path.getsize(os.path.join(bundle, w)) for w in {m.weights for m in gen.manifest.models.values()})
-mb = {k: int(status[k].split()[0]) / 1024 for k in ("VmHWM", "RssAnon", "RssFile")}
-print(json.dumps({"peak_rss_mb": mb["VmHWM"], "private_mb": mb["RssAnon"], "file_backed_mb": mb["RssFile"],
-                  "weights_mb": weights / 2**20, "cache_mb": gen.target.cache.nbytes / 2**20}))
+from specedge.tools.bench import memory_report
+gen = Generator.load(sys.argv[1], threads=int(sys.argv[3]))
+gen.generate(json.loads(sys.argv[2]), 128, proposer="ngram", gamma=8, stop_ids=[])
+print(json.dumps(memory_report(gen)))
 """
 
 

@@ -270,7 +270,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     finally:
         bar.close()
     rows = summarize(runs, configs)
-    memory = _memory(gen, rss_reset and not peers)
+    memory = memory_report(gen, rss_reset and not peers)
     return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats, "memory": memory,
             "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
             "configs": [c.name for c in configs], "machine": _machine(), "seconds": round(time.time() - started),
@@ -323,8 +323,9 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _memory(gen, measured: bool) -> dict:
-    """Peak RSS of the timed runs against the bytes that must be resident: weights plus KV caches."""
+def memory_report(gen, measured: bool = True) -> dict:
+    """Peak RSS (since the kernel's counter was last reset: bench resets it before the timed runs) against the
+    bytes that must be resident, weights plus KV caches; private and file-backed memory as they are now."""
     weights = sum(os.path.getsize(os.path.join(gen.bundle_dir, w)) for w in {m.weights for m in gen.manifest.models.values()})
     cache = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft else 0)
     out = {"weights_mb": round(weights / 2**20, 1), "cache_mb": round(cache / 2**20, 1)}
@@ -332,8 +333,9 @@ def _memory(gen, measured: bool) -> dict:
         status = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/status")
                   if line.startswith(("VmHWM", "RssAnon", "RssFile"))}
         base = (weights + cache) / 2**20
-        # File-backed pages are clean page cache (shared, reclaimable): mostly embedding rows that the
-        # kernel maps 64 KB at a time around each Gather, and the libraries. Private memory is the rest.
+        # File-backed pages are clean page cache (shared, reclaimable): the libraries, and mostly embedding
+        # rows, which the kernel maps a block at a time around each Gather (a whole large folio on recent
+        # kernels, benchmarks/quant/README.md). Private memory is the rest.
         out.update(peak_rss_mb=round(status["VmHWM"], 1), ratio=round(status["VmHWM"] / base, 2),
                    private_mb=round(status["RssAnon"], 1), private_ratio=round(status["RssAnon"] / base, 2),
                    file_backed_mb=round(status["RssFile"], 1))
