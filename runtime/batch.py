@@ -40,7 +40,7 @@ from ..graphs import contract as C
 from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
-from .draft_length import DraftLength, RateChoice
+from .draft_length import DraftLength, StepWidth
 from .generator import (GenerationResult, check_gamma, check_min_new_tokens, check_request, check_vocab,
                         shares_target_cache)
 from .kv_cache import SharedKVCache
@@ -88,10 +88,9 @@ class BatchRunner:
         self.draft = draft
         self.own_draft_cache = draft is not None and not isinstance(draft.cache, SharedKVCache)
         self.draft_history: list[list[int]] = [[] for _ in range(target.dims.batch)]  # own draft cache, per row
-        # Drafts of one row lengthen every row's verify step, so the batch measures what its rounds are worth
-        # with the rows' own draft lengths (None), with at most c drafts each for every shorter step graph it
-        # loaded (T = c + 1), or with none (0), and runs the best (warm sets the options).
-        self.draft_cap = RateChoice((None, 0))
+        # Drafts of one row lengthen every row's verify step, so each round the batch picks the step graph
+        # (of those warm loaded) that its rows' drafts are expected to pay for, and cuts them to it.
+        self.step_width = StepWidth([1])
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
@@ -187,9 +186,8 @@ class BatchRunner:
         # (SmolLM2 float32 at batch 4: T=2 1.31x a T=1 step, T=5 1.93x).
         widest = max(g + 1 for g in self._gammas)
         steps = self.target.use_steps([t for t in self.target.entry.step_tokens() if t <= widest])
-        caps = sorted({t - 1 for t in steps if 1 < t < widest}, reverse=True)
-        if (None, *caps, 0) != self.draft_cap.options:
-            self.draft_cap = RateChoice((None, *caps, 0))
+        if steps != self.step_width.widths:
+            self.step_width = StepWidth(steps)
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
         self.target.warm_rows()
         if self.draft is not None and gamma and not self.own_draft_cache:
@@ -219,23 +217,23 @@ class BatchRunner:
                 row.stats.prefill_ms = row.stats.ms_since_start()
         return True
 
-    def decode_step(self) -> dict[int, list[int]]:
+    def decode_step(self, closed: bool = False) -> dict[int, list[int]]:
         """One verify step for every running row whose prompt is in the cache; returns the tokens each row
-        committed (after its stop and length cuts). A row that finishes gets its `reason`."""
+        committed (after its stop and length cuts). A row that finishes gets its `reason`. `closed`: no
+        sequence joins before the running ones end, so the step width aims at finishing them all soonest."""
         began = time.perf_counter()
         target, capacity = self.target, self.target.cache.capacity
         ready = [b for b in self.active if not self.rows[b].prefill and not self.rows[b].draft_prefill]
-        # The cap applies to greedy rows with an adaptive draft length. A sampled row keeps its own, so that its
-        # random draws (drafts, then acceptances) stay those of its batch-1 run with the same seed; a row that
-        # asked for a fixed length (adaptive=False) gets it.
+        # The step's width is chosen for greedy rows with an adaptive draft length, whose drafts are cut to it.
+        # A sampled row keeps its own length, so that its random draws (drafts, then acceptances) stay those of
+        # its batch-1 run with the same seed; a row that asked for a fixed length (adaptive=False) gets it.
         capped = {b for b in ready if self.rows[b].proposer != "none" and self.rows[b].length.adaptive
                   and self.rows[b].params.greedy}
-        adaptive = bool(capped)
-        cap = self.draft_cap.choose() if adaptive else None
         steps = target.step_sizes
         feeds: list[list[int]] = [[] for _ in range(self.batch)]
         drafts: dict[int, list[int]] = {}
         wanted: dict[int, int] = {}  # rows that draft with the layer draft: how many tokens
+        room = capacity - target.cache.used  # a step's T must fit the fullest row too
         for b in ready:
             row = self.rows[b]
             free = capacity - int(target.cache.length[b])
@@ -243,17 +241,30 @@ class BatchRunner:
                 self.finish(b, "context_full")
                 continue
             k = min(row.length.next(), row.max_new_tokens - len(row.output) - 1, max(steps) - 1, free - 1)
-            if cap is not None and b in capped:
-                k = min(k, cap)
-            room = capacity - target.cache.used  # a step's T must fit the fullest row too
             while k > 0 and not any(k + 1 <= t <= room for t in steps):
                 k -= 1
+            # prompt lookup drafts for free, so its drafts are known before the width is chosen
             drafts[b] = ngram_chain(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
             if k > 0 and row.proposer == "draft":
                 wanted[b] = k
-                row.sampler.hold_back(len(row.output), row.min_new_tokens, row.stop)
         if not drafts:
             return {}
+        if capped & drafts.keys():
+            available = {b: len(drafts[b]) if self.rows[b].proposer == "ngram" else wanted.get(b, 0) for b in drafts}
+            least = 1 + max((available[b] for b in drafts if b not in capped), default=0)
+            width = self.step_width.choose(
+                [(available[b], self.rows[b].length.acceptance, self.rows[b].max_new_tokens - len(self.rows[b].output))
+                 for b in drafts], target.cache.bucket, least, max((t for t in steps if t <= room), default=1), closed)
+            for b in capped & drafts.keys():
+                if available[b] and width == 1:
+                    self.rows[b].length.unverified()
+                drafts[b] = drafts[b][:width - 1]
+                if b in wanted:
+                    wanted[b] = min(wanted[b], width - 1)
+                    if not wanted[b]:
+                        del wanted[b]
+        for b in wanted:
+            self.rows[b].sampler.hold_back(len(self.rows[b].output), self.rows[b].min_new_tokens, self.rows[b].stop)
         if self.own_draft_cache:
             draft_probs = self._draft_model_rows(wanted, drafts, [b for b in drafts if self.rows[b].proposer == "draft"])
         else:
@@ -268,6 +279,7 @@ class BatchRunner:
                         draft_probs[b] = draft_probs[b][:n]
             feeds[b] = [row.context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
+        width = target.step_graph_for(max(map(len, feeds)))
         logits = target.run_rows(feeds)
         committed = {}
         for b, d in drafts.items():
@@ -299,10 +311,8 @@ class BatchRunner:
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
-        if adaptive:  # per row: a step costs the same for any number of running rows (idle rows are padding),
-            # and rows finish at different rounds, so a cap measured with four rows running and one measured
-            # with one are compared on what each row gained
-            self.draft_cap.update(cap, sum(map(len, committed.values())) / len(committed), time.perf_counter() - began)
+        # a step costs the same for any number of running rows (idle rows are padding)
+        self.step_width.update(target.cache.bucket, width, time.perf_counter() - began)
         return committed
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
@@ -434,7 +444,7 @@ class BatchGenerator:
                 running[b] = i
             while runner.prefill_step():
                 pass
-            runner.decode_step()
+            runner.decode_step(closed=not waiting)
             for b in [b for b in running if runner.rows[b].reason]:
                 r = runner.release(b)
                 results[running.pop(b)] = GenerationResult(

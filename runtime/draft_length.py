@@ -10,6 +10,8 @@ doubles while proposals keep failing) bounds that cost on text where drafting do
 * Prompt lookup drafts for free, and a long verify that is cut early still gains the accepted prefix: its
   k stays at gamma (replaying SmolLM2's greedy outputs on the prompt suite: shrinking lowered the decode
   speed-up on the grounded prompts from 2.11x to 2.02x).
+* A batch (runtime/batch.py) also cuts its greedy rows' drafts each round to the step graph they are
+  expected to pay for (`StepWidth`), since one row's drafts lengthen every row's step.
 
 The choice of k only depends on past rounds, so it changes speed, never the output: greedy output stays
 plain greedy output, and sampling keeps the target distribution (every round is an exact speculative step
@@ -17,10 +19,12 @@ for whatever k it used).
 """
 from __future__ import annotations
 
+import numpy as np
+
 
 class DraftLength:
     def __init__(self, gamma: int, adaptive: bool = True, shrink: bool = True, patience: int = 3,
-                 max_pause: int = 32):
+                 max_pause: int = 32, decay: float = 0.9):
         self.gamma = gamma
         self.adaptive = adaptive
         self.shrink = shrink
@@ -30,6 +34,24 @@ class DraftLength:
         self._misses = 0
         self._pause = 0  # rounds left without proposing
         self._next_pause = 2
+        # decayed counts of accepted drafts and of rejections (a round that did not accept all it proposed),
+        # from a prior of one each: the acceptance estimate StepWidth weighs this row's drafts with
+        self.decay = decay
+        self._accepted = 1.0
+        self._rejected = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a draft is accepted given the one before it was: accepted / (accepted +
+        rejections), the maximum-likelihood rate of a geometric acceptance length cut at what was proposed."""
+        return self._accepted / (self._accepted + self._rejected)
+
+    def unverified(self) -> None:
+        """A round whose drafts the batch's step width cut to none: nothing was learned, and the estimate
+        drifts back toward the prior, so that a row whose drafts stopped paying is tried again (the text may
+        have changed) after a while instead of never."""
+        self._accepted = self.decay * self._accepted + (1 - self.decay)
+        self._rejected = self.decay * self._rejected + (1 - self.decay)
 
     def next(self) -> int:
         """Drafts to request this round (0: plain decode step)."""
@@ -41,7 +63,11 @@ class DraftLength:
         return self.k
 
     def update(self, proposed: int, accepted: int) -> None:
-        if not self.adaptive or proposed == 0:
+        if proposed == 0:
+            return
+        self._accepted = self.decay * self._accepted + accepted
+        self._rejected = self.decay * self._rejected + (accepted < proposed)
+        if not self.adaptive:
             return
         if self.shrink:
             self.k = min(self.gamma, self.k + 2) if accepted == proposed else max(1, accepted + 1)
@@ -87,6 +113,71 @@ class RateChoice:
         rate = tokens / seconds
         old = self._rate[option]
         self._rate[option] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
+class StepWidth:
+    """Which step graph (T tokens per row) a batch's verify step uses: the one whose expected committed tokens
+    per second is highest, given each row's drafts this round and its acceptance so far.
+
+    Why: one row's drafts lengthen every row's step, and at batch B a step costs B rows per position (SmolLM2
+    float32 at batch 4: T=3 1.7x a T=1 step), so a round is worth drafting only when what the rows' drafts
+    are expected to add pays for the wider step. A row with L drafts and acceptance a commits, in a step of
+    width T, 1 + a + a^2 + ... + a^min(L, T-1) tokens on average. The seconds of a round are measured per
+    (context bucket, T): they depend on those only, not on the text, so the choice needs no exploration of
+    rounds that cannot pay (an unmeasured width is tried where it could: see `seconds`). The median of the
+    last few rounds resists a slow outlier.
+    The choice only changes speed: every round is exact whichever width it uses."""
+
+    def __init__(self, widths, samples: int = 5):
+        self.widths = sorted(widths)
+        self.samples = samples
+        self._seconds: dict[tuple[int, int], list[float]] = {}  # (bucket, T) -> the last rounds' seconds
+
+    @staticmethod
+    def expected_tokens(drafts: int, acceptance: float) -> float:
+        """Committed tokens of a row that verifies `drafts` drafts: the bonus token plus the accepted prefix."""
+        return 1.0 + sum(acceptance ** j for j in range(1, drafts + 1))
+
+    def seconds(self, bucket: int, width: int) -> float:
+        """The measured seconds of a round at this bucket and width. Unmeasured: what the widest narrower
+        width measured costs (a wider step never costs less), so the width is tried where its drafts could
+        pay; 0 when no narrower width is measured either, so that the narrowest is measured first."""
+        measured = self._seconds.get((bucket, width))
+        if measured:
+            return float(np.median(measured))
+        narrower = [t for (b, t) in self._seconds if b == bucket and t < width]
+        return self.seconds(bucket, max(narrower)) if narrower else 0.0
+
+    def choose(self, rows: list[tuple[int, float, int]], bucket: int, least: int = 1, most: int | None = None,
+               closed: bool = False) -> int:
+        """The width for rows of (drafts available, acceptance, tokens left to generate), between `least` (what
+        rows with a fixed draft length need) and `most` (what fits the cache); ties go to the narrower width.
+
+        Most committed tokens per second, unless `closed`: then no sequence joins before the running ones end
+        (a batch's last prompts), so tokens of a row that will wait for the others anyway are worth nothing,
+        and the width is the one that finishes the slowest row soonest (the fewest seconds for the row with
+        the most rounds left)."""
+        candidates = [t for t in self.widths if least <= t <= (most or self.widths[-1])] or [least]
+        longest = max((n for n, _, _ in rows), default=0)
+        best, best_rate = candidates[0], -1.0
+        for t in candidates:
+            if t > longest + 1 and t > least:  # wider than any row can fill
+                break
+            tokens = [self.expected_tokens(min(n, t - 1), a) for n, a, _ in rows]
+            if closed:
+                worth = min(e / max(1, left) for e, (_, _, left) in zip(tokens, rows))
+            else:
+                worth = sum(tokens)
+            seconds = self.seconds(bucket, t)
+            rate = worth / seconds if seconds else float("inf")
+            if rate > best_rate:
+                best, best_rate = t, rate
+        return best
+
+    def update(self, bucket: int, width: int, seconds: float) -> None:
+        runs = self._seconds.setdefault((bucket, width), [])
+        runs.append(seconds)
+        del runs[: -self.samples]
 
 
 class TreeChoice(RateChoice):

@@ -81,3 +81,60 @@ def test_rate_choice_measures_every_option_then_runs_the_best_and_explores_the_o
     assert picks[:3] == [None, 1, 0]
     assert picks.count(1) >= 65  # the best
     assert picks[3:].count(None) >= 2 and picks[3:].count(0) >= 2  # each other option is re-measured
+
+
+def test_draft_acceptance_is_the_rate_of_a_geometric_length_cut_at_what_was_proposed():
+    from specedge.runtime.draft_length import DraftLength
+
+    length = DraftLength(4, decay=0.5)
+    assert length.acceptance == 0.5  # the prior: one acceptance, one rejection
+    length.update(4, 4)  # all accepted: no rejection seen
+    assert length.acceptance == (0.5 + 4) / (0.5 + 4 + 0.5)
+    length.update(4, 1)
+    assert length.acceptance == (2.25 + 1) / (2.25 + 1 + 1.25)
+    length.update(0, 0)  # no proposal: nothing learned
+    assert length.acceptance == (2.25 + 1) / (2.25 + 1 + 1.25)
+    for _ in range(3):
+        length.update(4, 0)
+    low = length.acceptance
+    for _ in range(30):  # drafts cut by a batch's step width: back toward the prior, to be tried again
+        length.unverified()
+    assert low < 0.3 and abs(length.acceptance - 0.5) < 1e-3
+
+
+def test_step_width_picks_the_width_whose_expected_tokens_per_second_is_highest():
+    from specedge.runtime.draft_length import StepWidth
+
+    width = StepWidth([1, 2, 3, 5])
+    seconds = {1: 0.036, 2: 0.060, 3: 0.065, 5: 0.090}  # a batch-4 float32 step at one bucket
+    for t, s in seconds.items():
+        for _ in range(4):
+            width.update(256, t, s)
+    width.update(256, 1, 0.5)  # one slow outlier: the median ignores it
+    assert width.seconds(256, 1) == 0.036
+    recent = StepWidth([1])
+    for s in [0.010] * 5 + [0.020] * 3:  # the last five rounds count
+        recent.update(128, 1, s)
+    assert recent.seconds(128, 1) == 0.020
+    assert StepWidth.expected_tokens(0, 0.7) == 1 and StepWidth.expected_tokens(2, 0.5) == 1.75
+    # four rows with four drafts each: tokens per second 111 (T=1), 113, 135 (T=3), 123 (T=5) at 70%
+    assert width.choose([(4, 0.7, 100)] * 4, 256) == 3
+    assert width.choose([(4, 0.9, 100)] * 4, 256) == 5
+    assert width.choose([(4, 0.2, 100)] * 4, 256) == 1  # drafts that rarely hold do not pay for a wider step
+    assert width.choose([(0, 0.9, 100)] * 4, 256) == 1  # nothing to verify
+    assert width.choose([(1, 0.9, 100)] * 4, 256) == 2  # no wider than the longest proposal + 1
+    assert width.choose([(4, 0.2, 100)] * 4, 256, least=3) == 3  # a row with a fixed length needs T=3
+    assert width.choose([(4, 0.9, 100)] * 4, 256, most=3) == 3  # what fits the cache
+    # a bucket where nothing was timed: the plain step first, then a wider step is guessed as cheap as the
+    # widest narrower one timed, so it is tried where it could pay
+    assert width.choose([(4, 0.7, 100)] * 4, 384) == 1
+    width.update(384, 1, 0.040)
+    assert width.choose([(4, 0.7, 100)] * 4, 384) == 5
+    width.update(384, 5, 0.100)
+    assert width.seconds(384, 3) == 0.040 and width.choose([(4, 0.7, 100)] * 4, 384) == 3
+    # closed: three rows almost done and one slow row with most of its tokens left. Tokens per second favour
+    # T=5 (the three rows' drafts hold); the slow row finishes soonest at T=1, and it decides when all do.
+    rows = [(4, 0.9, 20)] * 3 + [(4, 0.1, 100)]
+    assert width.choose(rows, 256) == 5
+    assert width.choose(rows, 256, closed=True) == 1
+    assert width.choose([(4, 0.9, 100)] * 4, 256, closed=True) == 5  # every row gains: as wide as pays
