@@ -252,12 +252,13 @@ class BatchRunner:
         if capped & drafts.keys():
             available = {b: len(drafts[b]) if self.rows[b].proposer == "ngram" else wanted.get(b, 0) for b in drafts}
             least = 1 + max((available[b] for b in drafts if b not in capped), default=0)
-            width = self.step_width.choose(
-                [(available[b], self.rows[b].length.acceptance, self.rows[b].max_new_tokens - len(self.rows[b].output))
-                 for b in drafts], target.cache.bucket, least, max((t for t in steps if t <= room), default=1), closed)
+            left = {b: self.rows[b].max_new_tokens - len(self.rows[b].output) for b in drafts}
+            rows = [(available[b], self.rows[b].length.acceptance.rate, left[b]) for b in drafts]
+            most = max((t for t in steps if t <= room), default=1)
+            width = self.step_width.choose(rows, target.cache.bucket, least, most, closed)
             for b in capped & drafts.keys():
                 if available[b] and width == 1:
-                    self.rows[b].length.unverified()
+                    self.rows[b].length.acceptance.unverified()
                 drafts[b] = drafts[b][:width - 1]
                 if b in wanted:
                     wanted[b] = min(wanted[b], width - 1)

@@ -34,24 +34,7 @@ class DraftLength:
         self._misses = 0
         self._pause = 0  # rounds left without proposing
         self._next_pause = 2
-        # decayed counts of accepted drafts and of rejections (a round that did not accept all it proposed),
-        # from a prior of one each: the acceptance estimate StepWidth weighs this row's drafts with
-        self.decay = decay
-        self._accepted = 1.0
-        self._rejected = 1.0
-
-    @property
-    def acceptance(self) -> float:
-        """The estimated chance that a draft is accepted given the one before it was: accepted / (accepted +
-        rejections), the maximum-likelihood rate of a geometric acceptance length cut at what was proposed."""
-        return self._accepted / (self._accepted + self._rejected)
-
-    def unverified(self) -> None:
-        """A round whose drafts the batch's step width cut to none: nothing was learned, and the estimate
-        drifts back toward the prior, so that a row whose drafts stopped paying is tried again (the text may
-        have changed) after a while instead of never."""
-        self._accepted = self.decay * self._accepted + (1 - self.decay)
-        self._rejected = self.decay * self._rejected + (1 - self.decay)
+        self.acceptance = Acceptance(decay)  # what StepWidth weighs this row's drafts with
 
     def next(self) -> int:
         """Drafts to request this round (0: plain decode step)."""
@@ -65,8 +48,7 @@ class DraftLength:
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
-        self._accepted = self.decay * self._accepted + accepted
-        self._rejected = self.decay * self._rejected + (accepted < proposed)
+        self.acceptance.update(proposed, accepted)
         if not self.adaptive:
             return
         if self.shrink:
@@ -113,6 +95,34 @@ class RateChoice:
         rate = tokens / seconds
         old = self._rate[option]
         self._rate[option] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
+class Acceptance:
+    """The chance that a draft is accepted given that the one before it was, from decayed counts of accepted
+    drafts and of rejections (a round that did not accept all it proposed), each from a prior of one:
+    accepted / (accepted + rejections) is the maximum-likelihood rate of a geometric acceptance length cut at
+    what was proposed."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._accepted = 1.0
+        self._rejected = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self._accepted = self.decay * self._accepted + accepted
+            self._rejected = self.decay * self._rejected + (accepted < proposed)
+
+    def unverified(self) -> None:
+        """Drafts a batch's step width cut to none: nothing was learned, and the estimate drifts back toward
+        the prior, so that drafts which stopped paying are tried again (the text may have changed) after a
+        while instead of never."""
+        self._accepted = self.decay * self._accepted + (1 - self.decay)
+        self._rejected = self.decay * self._rejected + (1 - self.decay)
 
 
 class StepWidth:

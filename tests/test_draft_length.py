@@ -84,22 +84,25 @@ def test_rate_choice_measures_every_option_then_runs_the_best_and_explores_the_o
 
 
 def test_draft_acceptance_is_the_rate_of_a_geometric_length_cut_at_what_was_proposed():
-    from specedge.runtime.draft_length import DraftLength
+    from specedge.runtime.draft_length import Acceptance, DraftLength
 
-    length = DraftLength(4, decay=0.5)
-    assert length.acceptance == 0.5  # the prior: one acceptance, one rejection
-    length.update(4, 4)  # all accepted: no rejection seen
-    assert length.acceptance == (0.5 + 4) / (0.5 + 4 + 0.5)
-    length.update(4, 1)
-    assert length.acceptance == (2.25 + 1) / (2.25 + 1 + 1.25)
-    length.update(0, 0)  # no proposal: nothing learned
-    assert length.acceptance == (2.25 + 1) / (2.25 + 1 + 1.25)
+    acceptance = Acceptance(decay=0.5)
+    assert acceptance.rate == 0.5  # the prior: one acceptance, one rejection
+    acceptance.update(4, 4)  # all accepted: no rejection seen
+    assert acceptance.rate == (0.5 + 4) / (0.5 + 4 + 0.5)
+    acceptance.update(4, 1)
+    assert acceptance.rate == (2.25 + 1) / (2.25 + 1 + 1.25)
+    acceptance.update(0, 0)  # no proposal: nothing learned
+    assert acceptance.rate == (2.25 + 1) / (2.25 + 1 + 1.25)
     for _ in range(3):
-        length.update(4, 0)
-    low = length.acceptance
+        acceptance.update(4, 0)
+    low = acceptance.rate
     for _ in range(30):  # drafts cut by a batch's step width: back toward the prior, to be tried again
-        length.unverified()
-    assert low < 0.3 and abs(length.acceptance - 0.5) < 1e-3
+        acceptance.unverified()
+    assert low < 0.3 and abs(acceptance.rate - 0.5) < 1e-3
+    length = DraftLength(4, adaptive=False)  # a row's draft length keeps one, whether adaptive or not
+    length.update(4, 0)
+    assert length.acceptance.rate == 0.9 / (0.9 + 1.9)
 
 
 def test_step_width_picks_the_width_whose_expected_tokens_per_second_is_highest():
