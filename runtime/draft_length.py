@@ -68,8 +68,8 @@ class RateChoice:
 
     Each option keeps a running rate (tokens committed per second of round time, decaying); every option is
     measured once first, then the best is used and another tried once every `explore` rounds, so that a
-    change in the text (or, for a batch, in its rows) is seen. The choice only changes speed: every round is
-    exact whichever kind it is. Not adaptive: always the first option."""
+    change in the text is seen. The choice only changes speed: every round is exact whichever kind it is.
+    Not adaptive: always the first option."""
 
     def __init__(self, options, adaptive: bool = True, explore: int = 16, decay: float = 0.8):
         self.options, self.adaptive, self.explore, self.decay = tuple(options), adaptive, explore, decay
