@@ -186,8 +186,8 @@ class BatchRunner:
         # (SmolLM2 float32 at batch 4: T=2 1.31x a T=1 step, T=5 1.93x).
         widest = max(g + 1 for g in self._gammas)
         steps = self.target.use_steps([t for t in self.target.entry.step_tokens() if t <= widest])
-        if steps != self.step_width.widths:
-            self.step_width = StepWidth(steps)
+        # a round's seconds depend on (bucket, T) only, so those measured before stay true for the wider set
+        self.step_width.widths = sorted(steps)
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
         self.target.warm_rows()
         if self.draft is not None and gamma and not self.own_draft_cache:
@@ -280,8 +280,8 @@ class BatchRunner:
                         draft_probs[b] = draft_probs[b][:n]
             feeds[b] = [row.context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
-        width = target.step_graph_for(max(map(len, feeds)))
-        logits = target.run_rows(feeds)
+        logits = target.run_rows(feeds)  # [B, T, V]: T is the step graph the round ran in
+        width = logits.shape[1]
         committed = {}
         for b, d in drafts.items():
             row = self.rows[b]

@@ -130,6 +130,24 @@ def test_adaptive_greedy_batches_choose_their_step_width_and_stay_exact(gens):
     assert sum(r.stats.proposed for r in results) > 0  # (the tiny model accepts few: the next test forces drafts)
 
 
+def test_a_wider_gamma_keeps_the_step_seconds_already_measured(gens):
+    """A round's seconds depend on the bucket and the width only, so warming a longer gamma widens the choice
+    without forgetting the widths already timed (they would be timed again, slowly, round by round)."""
+    from specedge.runtime.draft_length import StepWidth
+
+    _, g3 = gens
+    runner = g3.runner
+    runner._gammas.clear()
+    runner.warm(1)
+    runner.step_width = timed = StepWidth(runner.step_width.widths)
+    g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=1, stop_ids=[])
+    measured = {key: list(seconds) for key, seconds in timed._seconds.items()}
+    assert measured and {t for _, t in measured} <= {1, 2}
+    runner.warm(4)
+    assert runner.step_width is timed and max(timed.widths) == max(g3.target.step_sizes) > 2
+    assert all(timed._seconds[key] == seconds for key, seconds in measured.items())
+
+
 def test_a_round_runs_in_the_step_graph_of_its_width_and_closes_with_the_queue(gens):
     """A step computes B*T rows, so a round whose width is 2 runs in the T=2 graph, not padded into the widest
     one a row's own draft length would use; the width aims at finishing the rows soonest only once no prompt
