@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import numpy as np
@@ -76,7 +77,7 @@ def main() -> int:
             f"prompt, end to end (prefill included), median of {a.repeats}")
     print(note)
     if a.json:
-        json.dump({"argv": [a.one, a.many], "rows": rows, "note": note}, open(a.json, "w"), indent=1)
+        json.dump({"argv": sys.argv[1:], "rows": rows, "note": note}, open(a.json, "w"), indent=1)
     g1.close()
     gb.close()
     return 0
