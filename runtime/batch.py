@@ -267,7 +267,8 @@ class BatchRunner:
         for b in wanted:
             self.rows[b].sampler.hold_back(len(self.rows[b].output), self.rows[b].min_new_tokens, self.rows[b].stop)
         if self.own_draft_cache:
-            draft_probs = self._draft_model_rows(wanted, drafts, [b for b in drafts if self.rows[b].proposer == "draft"])
+            drafting = [b for b in drafts if self.rows[b].proposer == "draft"]
+            draft_probs = self._draft_model_rows(wanted, drafts, drafting)
         else:
             draft_probs = self._draft_rows(wanted, drafts) if wanted else {}
         for b, d in drafts.items():

@@ -394,7 +394,8 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]) + "\n")
     bundle = g3.target._dir
     r = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path),
-                        "--max-new-tokens", "12", "--proposer", "ngram", "--gamma", "4"], capture_output=True, text=True)
+                        "--max-new-tokens", "12", "--proposer", "ngram", "--gamma", "4"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["index"] for row in rows] == [0, 1]
