@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import BundleError
 from ..graphs import contract as C
+from ..graphs.llama import MATRICES
 from ..graphs.manifest import GraphEntry, ModelEntry, load_manifest, read_index, weights_index_file
 
 _ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool", 3: "int8", 22: "int4", 2: "uint8",
@@ -190,8 +191,7 @@ def _check_quant(proto, model: ModelEntry, qdq: bool = False) -> list[str]:
 
 def _weight_names(model: ModelEntry) -> set[str]:
     """Float weight matrices a quantized graph must not contain (rope tables and norms are not products)."""
-    return {"embed", "lm_head"} | {f"layers.{i}.{m}" for i in range(model.dims.num_layers)
-                                   for m in ("qkv", "o", "gate_up", "down")}
+    return {"embed", "lm_head"} | {f"layers.{i}.{m}" for i in range(model.dims.num_layers) for m in MATRICES}
 
 
 def _make_backend(name: str):
