@@ -111,7 +111,7 @@ def test_layer_draft_reads_the_target_cache_and_leaves_its_history_alone(runtime
                                                                           pattern):
     g, fresh = runtime
     target, draft = g.target, g.draft
-    assert g.draft_shares_cache and draft.cache.nbytes == 0
+    assert g.draft_shares_cache and draft.cache.resident_bytes == 0
     proposer = LayerDraftProposer(draft, target)
     sampler = Sampler(SamplingParams(), np.random.default_rng(0), target.dims.vocab_size)
     target.reset()

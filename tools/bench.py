@@ -327,7 +327,7 @@ def memory_report(gen, measured: bool = True) -> dict:
     """Peak RSS (since the kernel's counter was last reset: bench resets it before the timed runs) against the
     bytes that must be resident, weights plus KV caches; private and file-backed memory as they are now."""
     weights = sum(os.path.getsize(os.path.join(gen.bundle_dir, w)) for w in {m.weights for m in gen.manifest.models.values()})
-    cache = gen.target.cache.nbytes + (gen.draft.cache.nbytes if gen.draft else 0)
+    cache = gen.target.cache.resident_bytes + (gen.draft.cache.resident_bytes if gen.draft else 0)
     out = {"weights_mb": round(weights / 2**20, 1), "cache_mb": round(cache / 2**20, 1)}
     if measured:
         status = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in open("/proc/self/status")
