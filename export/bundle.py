@@ -211,6 +211,8 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
                                                  native=src.blocks, report=report,
                                                  matmul_head=opts.flavour == "qnn-qdq16"),
                              on_tensor=progress.update)
+        if not quant and opts.flavour != "qnn-qdq16":  # the float Gemm head reads its table in parts
+            refs.update(llama.head_parts(cfg, refs))
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
         if quant:
             quant_record = {**quant.to_json(), "source": report.to_json()}

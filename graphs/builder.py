@@ -41,6 +41,11 @@ class GraphBuilder:
         self._consts: dict[tuple, str] = {}
         self._count = 0
 
+    @property
+    def weights(self) -> dict[str, WeightRef]:
+        """The weights file's index: what `weight` can reference."""
+        return self._weights
+
     # -- tensors -------------------------------------------------------------------------------------
     def input(self, spec: TensorSpec) -> str:
         self.inputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPE[spec.dtype], list(spec.shape)))

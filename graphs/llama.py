@@ -29,6 +29,7 @@ import numpy as np
 
 from . import contract as C
 from .builder import GraphBuilder
+from .manifest import WeightRef
 from .quant import Blocks, PackedInt4, QuantSpec, block_sums, quantize_blocks, quantize_offset_blocks, relative_error
 
 FAMILIES = {
@@ -139,6 +140,23 @@ def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]
 
 # -- weights ------------------------------------------------------------------------------------------
 MATRICES = ("qkv", "o", "gate_up", "down")  # the per-layer MatMul weights, stored [in, out]
+# The float head runs as HEAD_PARTS Gemms over row ranges of its [V, hidden] table, which the weights index
+# names as aliases of those bytes (head_parts). Why: onnxruntime prepacks a Gemm weight in every new session
+# before it finds the same packed bytes in the shared container, so creating a session briefly holds one
+# more packed copy of its largest weight. Whole, SmolLM2's tied head is 113 MB, and that transient was the
+# peak RSS of a float32 run; in 4 parts it is 28 MB.
+HEAD_PARTS = 4
+
+
+def head_parts(cfg: LlamaConfig, refs: dict[str, WeightRef]) -> dict[str, WeightRef]:
+    """The weights index entries of the float head's parts: aliases of row ranges of the [V, hidden] table
+    ("embed" when tied, else "lm_head"), no bytes of their own. Ranges start at multiples of 64 rows."""
+    table = refs["embed" if cfg.tie_word_embeddings else "lm_head"]
+    rows, row_bytes = table.shape[0], table.length // table.shape[0]
+    bounds = sorted({min(rows, -(-rows * i // HEAD_PARTS // 64) * 64) for i in range(HEAD_PARTS + 1)})
+    return {f"{table.name}.rows{a}": WeightRef(f"{table.name}.rows{a}", table.dtype, (b - a,) + tuple(table.shape[1:]),
+                                               table.offset + a * row_bytes, (b - a) * row_bytes)
+            for a, b in zip(bounds, bounds[1:])}
 
 
 def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None, matmul_head: bool = False) -> list[str]:
@@ -516,9 +534,10 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         name = C.LOGITS if dt == "float32" else None  # else a Cast makes the contract's float32 logits
         if quant is not None or matmul_head:  # [B, T, E] in, [B, T, V] out: reshaping h costs less than the logits
             logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name)
-        else:
-            head = g.weight("embed" if cfg.tie_word_embeddings else "lm_head")
-            logits = g.op("Reshape", g.op("Gemm", h, head, transB=1), g.ints(B, T, dims.vocab_size), name=name)
+        else:  # a Gemm per part of the [V, hidden] table (HEAD_PARTS), each logit the same dot product as whole
+            parts = [g.op("Gemm", h, g.weight(part), transB=1) for part in head_parts(cfg, g.weights)]
+            logits = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=-1)
+            logits = g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=name)
         if name is None:
             g.op("Cast", logits, to=1, name=C.LOGITS)
         g.declare_output(out_specs[C.LOGITS])

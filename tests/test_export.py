@@ -243,6 +243,31 @@ def test_float16_export_writes_fp16_weights_cache_and_fp32_logits(tiny_models, t
 
 
 @pytest.mark.slow
+def test_the_float_head_reads_its_table_in_parts_that_are_aliases(tiny_bundle):
+    """The head is one Gemm per row range of its [V, hidden] table (graphs/llama.py HEAD_PARTS: a session's
+    prepacking transient is one part, not the table); the parts are index entries over the table's own bytes,
+    so the weights file holds the table once, and together the parts are exactly its rows, in order."""
+    from specedge.graphs.manifest import read_index, weights_index_file
+
+    m = load_manifest(tiny_bundle)
+    index = read_index(os.path.join(tiny_bundle, weights_index_file(m.target.weights)))
+    table_name = "lm_head" if "lm_head" in index else "embed"  # tied: the embedding is the head's table
+    table = index[table_name]
+    parts = sorted((r for n, r in index.items() if n.startswith(table_name + ".rows")), key=lambda r: r.offset)
+    assert len(parts) == 4
+    assert [p.offset for p in parts] == [table.offset] + [p.offset + p.length for p in parts[:-1]]
+    assert parts[-1].offset + parts[-1].length == table.offset + table.length
+    assert sum(p.shape[0] for p in parts) == table.shape[0] and all(p.shape[1:] == table.shape[1:] for p in parts)
+    assert os.path.getsize(os.path.join(tiny_bundle, m.target.weights)) == \
+        max(r.offset + r.length for n, r in index.items() if ".rows" not in n)
+    for g in m.target.graphs:
+        if g.role != C.STEP:
+            continue
+        proto = onnx.load(os.path.join(tiny_bundle, g.file), load_external_data=False)
+        gemms = [n.input[1] for n in proto.graph.node if n.op_type == "Gemm"]
+        assert sorted(gemms) == sorted(p.name for p in parts), g.file
+
+
 def test_smollm2_bundle_stores_weights_once(smollm2_bundle):
     m = load_manifest(smollm2_bundle)
     weights = 538_000_000

@@ -42,7 +42,7 @@ def test_a_bucket_the_cache_leaves_goes_back_to_the_os():
     assert after - before < 4, (before, after)
     assert not cache.block(2048).any()  # released pages read as zeros: nothing of them is kept
     valid = cache.block(4096)[..., :2000, :]
-    assert np.array_equal(valid[..., :1000, :], first[:, :, :, :, :1000]) and np.array_equal(valid[..., 1000:, :], second)
+    assert np.array_equal(valid[..., :1000, :], first) and np.array_equal(valid[..., 1000:, :], second)
     # the smallest bucket is kept: every generation starts there
     assert np.array_equal(cache.block(1024)[..., :1000, :], first)
     assert cache.resident_bytes == (16 + 64) * MIB
