@@ -242,7 +242,6 @@ def test_float16_export_writes_fp16_weights_cache_and_fp32_logits(tiny_models, t
     assert r.returncode == 0, r.stdout
 
 
-@pytest.mark.slow
 def test_the_float_head_reads_its_table_in_parts_that_are_aliases(tiny_bundle):
     """The head is one Gemm per row range of its [V, hidden] table (graphs/llama.py HEAD_PARTS: a session's
     prepacking transient is one part, not the table); the parts are index entries over the table's own bytes,
@@ -268,6 +267,7 @@ def test_the_float_head_reads_its_table_in_parts_that_are_aliases(tiny_bundle):
         assert sorted(gemms) == sorted(p.name for p in parts), g.file
 
 
+@pytest.mark.slow
 def test_smollm2_bundle_stores_weights_once(smollm2_bundle):
     m = load_manifest(smollm2_bundle)
     weights = 538_000_000
