@@ -206,12 +206,12 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     if shared is None:
         weights = weights_file(name)
         report = llama.QuantReport()
+        matmul_head = opts.flavour == "qnn-qdq16"  # the QDQ flavour's head is a MatMul weight of its own
         refs = write_weights(os.path.join(bundle, weights),
                              llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
-                                                 native=src.blocks, report=report,
-                                                 matmul_head=opts.flavour == "qnn-qdq16"),
+                                                 native=src.blocks, report=report, matmul_head=matmul_head),
                              on_tensor=progress.update)
-        if not quant and opts.flavour != "qnn-qdq16":  # the float Gemm head reads its table in parts
+        if not (quant or matmul_head):  # the float Gemm head reads its table in parts
             refs.update(llama.head_parts(cfg, refs))
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
         if quant:
