@@ -102,11 +102,12 @@ class ExportOptions:
         return default_buckets(self.context, self.prefill_chunk)
 
     def prefill_sizes(self) -> list[int]:
-        """The prefill chunk, and half of it for a prompt's tail: a prefill run costs nearly as much per
-        padded row as per real one (SmolLM2, 2 cores: T=64 140 ms, T=32 81 ms), so a 32-token tail in a
-        64-row graph would waste 60 ms. Tails of at most gamma+1 tokens go through a step graph."""
-        half = self.prefill_chunk // 2
-        return [self.prefill_chunk] + ([half] if half > max(self.gammas) + 1 else [])
+        """The prefill chunk, then a half and a quarter of it for a prompt's tail, while they are longer than
+        the largest step graph (gamma+1): a prefill run costs nearly as much per padded row as per real one
+        (SmolLM2 float32, 2 cores: T=64 83 ms, T=32 46 ms, T=16 28 ms), so a 20-token tail in a 64-row graph
+        would waste 50 ms. The runtime plans a prompt over these and the step graphs (runtime/prefill_plan.py)."""
+        tails = [self.prefill_chunk // 2, self.prefill_chunk // 4]
+        return [self.prefill_chunk] + [t for t in tails if t > max(self.gammas) + 1]
 
     def target_steps(self) -> list[int]:
         return sorted({1, *(g + 1 for g in self.gammas)})

@@ -16,6 +16,7 @@ from ..errors import BackendError, BundleError, PlacementError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
 from .kv_cache import KVCache, SharedKVCache, new_kv_block
+from .prefill_plan import plan_prefill
 from .tree import TreeLayout
 
 
@@ -162,21 +163,13 @@ class ModelRunner:
         """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
         return _smallest_fit(self._step_sizes, n, self.cache.free)
 
-    def _prefill_plan(self, remaining: int, free: int | None = None) -> tuple[str, int]:
-        """Full prefill chunks first; a tail goes through the smallest graph that holds it (a half-size
-        prefill graph, or a step graph, whose LM head is cheap at a few rows), padding the rest."""
+    def prefill_plan(self, n: int, free: int | None = None) -> tuple[tuple[str, int], ...]:
+        """The graph runs (role, T), in order, that put n tokens in the cache at the least estimated cost
+        (runtime/prefill_plan.py), over the prefill graphs and the step graphs in use; a step graph's LM head
+        is cheap at a few rows, and only the last run pads."""
         free = self.cache.free if free is None else free
-        sizes = [(t, C.PREFILL) for t in self.entry.prefill_tokens() if t <= free]
-        sizes += [(t, C.STEP) for t in self._step_sizes if t <= free]
-        if not sizes:
-            raise ValueError("cache full")
-        chunk = max((t for t, role in sizes if role == C.PREFILL), default=0)
-        if chunk and remaining >= chunk:
-            return C.PREFILL, chunk
-        holding = [(t, role) for t, role in sizes if t >= remaining]
-        # The smallest graph that holds the rest; near the end of the cache, the largest that fits.
-        t, role = min(holding) if holding else max(sizes)
-        return role, t
+        graphs = tuple([(C.PREFILL, t) for t in self.entry.prefill_tokens()] + [(C.STEP, t) for t in self._step_sizes])
+        return plan_prefill(n, graphs, free - n)
 
     # -- running -------------------------------------------------------------------------------------
     def _bucket_for(self, role: str, T: int, tree: bool = False) -> int:
@@ -264,18 +257,12 @@ class ModelRunner:
 
     def prefill_reach(self, n: int) -> int:
         """The cache slots a prefill of n tokens into an empty cache spans, its last graph's padding included."""
-        done = reach = 0
-        while done < n:
-            _, T = self._prefill_plan(n - done, self.cache.capacity - done)
-            reach = max(reach, done + T)
-            done += min(T, n - done)
-        return reach
+        return sum(t for _, t in self.prefill_plan(n, self.cache.capacity))
 
     def prefill(self, tokens) -> None:
-        """Fill the cache with tokens in the fewest graph runs; no logits are kept."""
+        """Fill the cache with tokens along the plan of least cost; no logits are kept."""
         done = 0
-        while done < len(tokens):
-            role, T = self._prefill_plan(len(tokens) - done)
+        for role, T in self.prefill_plan(len(tokens)):
             n = min(T, len(tokens) - done)
             self._execute(role, T, [tokens[done:done + n]])
             done += n
@@ -294,7 +281,7 @@ class ModelRunner:
         """One prefill run for the rows of a batch: row b puts the first tokens of pending[b] in its cache
         (empty, or past len(pending): idle), planned like `prefill` for the row with the most left. Returns
         how many tokens each row consumed."""
-        role, T = self._prefill_plan(max(len(p) for p in pending))
+        role, T = self.prefill_plan(max(len(p) for p in pending))[0]
         rows = [list(p[:T]) for p in pending]
         self._execute(role, T, rows)
         return [len(r) for r in rows]
@@ -314,11 +301,12 @@ class ModelRunner:
 
     def prefill_row(self, row: int, tokens: list[int]) -> int:
         """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the
-        smallest that holds them, else the largest); the other rows are untouched. Returns how many."""
-        sizes = self.row_prefill_sizes
+        first run of the row's prefill plan, see `prefill_plan`); the other rows are untouched. Returns how
+        many."""
         start = int(self.cache.length[row])
         free = self.cache.capacity - start
-        T = min((t for t in sizes if len(tokens) <= t <= free), default=None) or max(t for t in sizes if t <= free)
+        want = min(len(tokens), free)
+        T = plan_prefill(want, tuple((C.PREFILL, t) for t in self.row_prefill_sizes), free - want)[0][1]
         n = min(T, len(tokens))
         need = max(self.cache.bucket, start + T)
         self.cache.use_bucket(next(b for b in self.cache.buckets if b >= need and self.entry.row_graph(T, b)))

@@ -38,7 +38,9 @@ def _add_export(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="cache slots S per sequence (default 1024)")
     p.add_argument("--gamma", type=_ints, default=[1, 2, 4, 8], metavar="G1,G2",
                    help="draft lengths to export verify graphs (T=gamma+1) for (default 1,2,4,8)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill graph run (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="tokens per prefill graph run (default 64); graphs of a half and a quarter of it, when "
+                   "longer than the largest gamma+1, take a prompt's tail")
     p.add_argument("--context-buckets", type=_ints, default=None, metavar="S1,S2",
                    help="past lengths to export graphs for, besides --context; the runtime attends over the "
                    "smallest that holds the cache (default: every 128 slots up to 512, then every quarter of the context)")

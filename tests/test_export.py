@@ -274,10 +274,10 @@ def test_smollm2_bundle_stores_weights_once(smollm2_bundle):
     total = sum(os.path.getsize(os.path.join(smollm2_bundle, f)) for f in os.listdir(smollm2_bundle)
                 if os.path.isfile(os.path.join(smollm2_bundle, f)))
     assert total <= 1.1 * weights
-    # (prefill 64 and 32, step 1, 2, 3, 5, 9) for the target, (prefill 64 and 32, step 1, 2) for the draft, in
-    # each of the six context buckets 128, 256, 384, 512, 768 and 1024
+    # (prefill 64, 32 and 16, step 1, 2, 3, 5, 9) for the target, (prefill 64, 32 and 16, step 1, 2) for the
+    # draft, in each of the six context buckets 128, 256, 384, 512, 768 and 1024
     assert m.target.buckets() == [128, 256, 384, 512, 768, 1024]
-    assert len(m.target.graphs) + len(m.draft.graphs) == (7 + 4) * 6
+    assert len(m.target.graphs) + len(m.draft.graphs) == (8 + 5) * 6
     r = specedge("check", smollm2_bundle)
     assert r.returncode == 0, r.stdout
 
