@@ -255,10 +255,6 @@ class ModelRunner:
                 self.cache.move_entry(base + 1 + node, base + depth)
         self.cache.set_length(base + 1 + len(path))
 
-    def prefill_reach(self, n: int) -> int:
-        """The cache slots a prefill of n tokens into an empty cache spans, its last graph's padding included."""
-        return sum(t for _, t in self.prefill_plan(n, self.cache.capacity))
-
     def prefill(self, tokens) -> None:
         """Fill the cache with tokens along the plan of least cost; no logits are kept."""
         done = 0

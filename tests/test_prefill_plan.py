@@ -102,3 +102,31 @@ def test_the_runtime_prefills_along_the_plan(tiny_bundle, monkeypatch):
         np.testing.assert_allclose(target.run([7]), reference, rtol=1e-5, atol=1e-5)
     assert len(plans) > 1  # the tail went through different graphs
     gen.close()
+
+
+def test_a_run_creates_sessions_for_its_plans_prefill_graphs_only(tiny_models, tiny_bundle, tmp_path):
+    """Prefill graphs of 16, 8 and 4 rows: a run warms only those its prompt's plan uses (every session holds
+    memory of its own), and its tokens are those of another bundle of the same model."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "tails")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,)),
+                  progress=False)
+    g, reference = Generator.load(out), Generator.load(tiny_bundle)
+    assert g.manifest.target.prefill_tokens() == [16, 8, 4]
+
+    def prefill_sessions():
+        return {(role, t) for role, t, _ in g.target._steps if role == P}
+
+    rng = np.random.default_rng(8)
+    warmed = set()
+    for length, proposer, plan in ((17, "none", ((P, 16),)), (20, "ngram", ((P, 16), (S, 3))),
+                                   (20, "none", ((P, 4), (P, 16))), (22, "none", ((P, 8), (P, 16)))):
+        prompt = [int(t) for t in rng.integers(5, 200, size=length)]
+        out_tokens = g.generate(prompt, 6, proposer=proposer, gamma=2, stop_ids=[]).tokens
+        assert g.target.prefill_plan(length - 1, g.target.cache.capacity) == plan
+        warmed |= {run for run in plan if run[0] == P}
+        assert prefill_sessions() == warmed
+        assert out_tokens == reference.generate(prompt, 6, proposer="none", stop_ids=[]).tokens
+    g.close()
+    reference.close()
