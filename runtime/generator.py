@@ -116,15 +116,15 @@ class Generator:
         session is created inside a timed round: the prefill graphs, T=1 and the verify graph T=gamma+1
         (shorter proposals pad into it), the tree graph, and the draft's graphs when it drafts. With the
         `prompt` length (and `new` tokens) known, only the context buckets the run can reach get sessions:
-        the prefill graphs of the prompt's plan up to its end, step graphs from the prompt to the run's end (a
+        the prefill plan's graphs in the buckets they run in, step graphs from the prompt to the run's end (a
         graph's padding rows need slots too, so its width is added). Sessions are kept."""
         def runner_warm(runner, prefill, steps, trees=()):
             if prompt is None:
                 runner.warm(prefill + steps, trees)
                 return
             widest = max([t for _, t in steps] + list(trees))
-            plan = runner.prefill_plan(prompt - 1, runner.cache.capacity)
-            runner.warm([g for g in prefill if g in plan], reach=sum(t for _, t in plan))
+            if prefill:  # a draft that shares the target's cache prefills nothing
+                runner.warm_prefill(prompt - 1)
             runner.warm(steps, trees, start=prompt - 1, reach=prompt + new + widest)
 
         prefill = [(C.PREFILL, t) for t in self.manifest.target.prefill_tokens()]

@@ -147,6 +147,15 @@ class ModelRunner:
                 if self.entry.graph(role, tokens, context, tree):
                     self._step(role, tokens, context, tree)
 
+    def warm_prefill(self, n: int) -> None:
+        """Create the sessions that a prefill of n tokens into an empty cache runs: each graph of its plan in
+        the bucket that run will use, and no other (the last graph, often a small tail, runs in one bucket)."""
+        used, bucket = 0, self.cache.buckets[0]
+        for role, T in self.prefill_plan(n, self.cache.capacity):
+            bucket = self._bucket_for(role, T, bucket=bucket, used=used)
+            self._step(role, T, bucket, False)
+            used += min(T, n - used)
+
     # -- graph choice --------------------------------------------------------------------------------
     def use_steps(self, sizes: list[int] | None) -> list[int]:
         """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a
@@ -172,10 +181,13 @@ class ModelRunner:
         return plan_prefill(n, graphs, free - n)
 
     # -- running -------------------------------------------------------------------------------------
-    def _bucket_for(self, role: str, T: int, tree: bool = False) -> int:
+    def _bucket_for(self, role: str, T: int, tree: bool = False, bucket: int | None = None,
+                    used: int | None = None) -> int:
         """The smallest past length, at or above the active one, that has the graph and holds the cache plus
-        all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1."""
-        need = max(self.cache.bucket, self.cache.used + T)
+        all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1.
+        (bucket, used) stand in for the cache's own when planning ahead."""
+        bucket = self.cache.bucket if bucket is None else bucket
+        need = max(bucket, (self.cache.used if used is None else used) + T)
         buckets = self._graph_buckets.get((role, T, tree))
         if buckets is None:  # once per kind of graph: this runs before every step
             buckets = [b for b in self.cache.buckets if self.entry.graph(role, T, b, tree)]

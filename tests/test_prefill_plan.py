@@ -105,27 +105,32 @@ def test_the_runtime_prefills_along_the_plan(tiny_bundle, monkeypatch):
 
 
 def test_a_run_creates_sessions_for_its_plans_prefill_graphs_only(tiny_models, tiny_bundle, tmp_path):
-    """Prefill graphs of 16, 8 and 4 rows: a run warms only those its prompt's plan uses (every session holds
-    memory of its own), and its tokens are those of another bundle of the same model."""
+    """Prefill graphs of 16, 8 and 4 rows in buckets of 32, 64 and 128 slots: a run warms only the graphs
+    its prompt's plan uses, each in the bucket it runs in (every session holds memory of its own), and its
+    tokens are those of another bundle of the same model."""
     from specedge.export.bundle import ExportOptions, export_bundle
 
     out = str(tmp_path / "tails")
-    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,)),
-                  progress=False)
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, gammas=(2,),
+                                                              context_buckets=(32, 64)), progress=False)
     g, reference = Generator.load(out), Generator.load(tiny_bundle)
     assert g.manifest.target.prefill_tokens() == [16, 8, 4]
 
     def prefill_sessions():
-        return {(role, t) for role, t, _ in g.target._steps if role == P}
+        return {(t, context) for role, t, context in g.target._steps if role == P}
 
     rng = np.random.default_rng(8)
     warmed = set()
-    for length, proposer, plan in ((17, "none", ((P, 16),)), (20, "ngram", ((P, 16), (S, 3))),
-                                   (20, "none", ((P, 4), (P, 16))), (22, "none", ((P, 8), (P, 16)))):
+    for length, proposer, plan, sessions in (
+            (17, "none", ((P, 16),), {(16, 32)}),
+            (20, "ngram", ((P, 16), (S, 3)), set()),
+            (20, "none", ((P, 4), (P, 16)), {(4, 32)}),
+            (22, "none", ((P, 8), (P, 16)), {(8, 32)}),
+            (40, "none", ((P, 16), (P, 8), (P, 16)), {(16, 64)})):  # the last run needs slots 24..39
         prompt = [int(t) for t in rng.integers(5, 200, size=length)]
         out_tokens = g.generate(prompt, 6, proposer=proposer, gamma=2, stop_ids=[]).tokens
         assert g.target.prefill_plan(length - 1, g.target.cache.capacity) == plan
-        warmed |= {run for run in plan if run[0] == P}
+        warmed |= sessions
         assert prefill_sessions() == warmed
         assert out_tokens == reference.generate(prompt, 6, proposer="none", stop_ids=[]).tokens
     g.close()
