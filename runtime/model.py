@@ -20,22 +20,33 @@ from .prefill_plan import plan_prefill
 from .tree import TreeLayout
 
 
+class _StepBuffers:
+    """The inputs (but the cache) and outputs of a graph (role, T), shared by its sessions of every context
+    bucket: runs are one at a time, and a step's outputs are read (the new K/V copied into the cache) before
+    the next run. A 64-row prefill's new K/V alone is 2.9 MB for SmolLM2."""
+
+    def __init__(self, dims: C.ModelDims, role: str, T: int, step_mask: bool):
+        B = dims.batch
+        self.input_ids = np.zeros((B, T), np.int64)
+        self.position_ids = np.zeros((B, T), np.int64)
+        self.logits = np.zeros((B, T, dims.vocab_size), np.float32) if role == C.STEP else None
+        self.new_kv = new_kv_block(dims, B, T)
+        self.causal = np.tril(np.ones((T, T), bool))
+        self.step_mask = np.broadcast_to(self.causal, (B, T, T)).copy() if step_mask else None
+
+
 class _Step:
     """One bound step session: T tokens in, logits (step role) and new K/V out."""
 
-    def __init__(self, session, dims: C.ModelDims, graph: GraphEntry, cache: KVCache):
-        B, T = dims.batch, graph.tokens
+    def __init__(self, session, dims: C.ModelDims, graph: GraphEntry, cache: KVCache, buffers: _StepBuffers):
         keys, values = cache.buffers(graph.context)
-        self.tokens, self.role = T, graph.role
-        self.input_ids = np.zeros((B, T), np.int64)
-        self.position_ids = np.zeros((B, T), np.int64)
-        self.logits = np.zeros((B, T, dims.vocab_size), np.float32) if graph.role == C.STEP else None
-        self.new_kv = new_kv_block(dims, B, T)
+        self.tokens, self.role = graph.tokens, graph.role
+        self.input_ids, self.position_ids = buffers.input_ids, buffers.position_ids
+        self.logits, self.new_kv = buffers.logits, buffers.new_kv
         inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
         self.step_mask = None
         if graph.step_mask:  # a tree run fills it; a chain (which runs in a tree graph too) gets `causal`
-            self.causal = np.tril(np.ones((T, T), bool))
-            self.step_mask = np.broadcast_to(self.causal, (B, T, T)).copy()
+            self.causal, self.step_mask = buffers.causal, buffers.step_mask
             inputs[C.STEP_MASK] = self.step_mask
         outputs = {}
         if self.logits is not None:
@@ -83,6 +94,7 @@ class ModelRunner:
         self._dir = bundle_dir
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
+        self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
         self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
         self._graph_buckets: dict[tuple[str, int, bool], list[int]] = {}  # (role, T, tree): buckets with it
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
@@ -104,7 +116,10 @@ class ModelRunner:
             graph = self.entry.graph(role, tokens, context, tree)
             session = self._load(graph)
             _check_io(graph, self.dims, session)
-            self._steps[key] = _Step(session, self.dims, graph, self.cache)
+            shape = (role, tokens, graph.step_mask)
+            if shape not in self._step_buffers:
+                self._step_buffers[shape] = _StepBuffers(self.dims, *shape)
+            self._steps[key] = _Step(session, self.dims, graph, self.cache, self._step_buffers[shape])
         return self._steps[key]
 
     def _load(self, graph: GraphEntry):
@@ -354,6 +369,7 @@ class ModelRunner:
         for step in list(self._steps.values()) + list(self._row_steps.values()):
             step.session.close()
         self._steps.clear()
+        self._step_buffers.clear()
         self._row_steps.clear()
 
 

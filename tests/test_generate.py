@@ -320,6 +320,13 @@ def test_sessions_only_for_the_buckets_a_run_can_reach(gen, tiny_models, tmp_pat
     out_long = g.generate(long, 40, proposer="ngram", gamma=2, stop_ids=[])
     assert out_long.tokens == gen.generate(long, 40, proposer="none", stop_ids=[]).tokens
     assert contexts() == [32, 64, 128] and g.target.sessions > sessions
+    # a graph's sessions in different buckets share its input and output buffers (runs are one at a time)
+    by_graph: dict = {}
+    for (role, T, _), step in g.target._steps.items():
+        by_graph.setdefault((role, T), []).append(step)
+    shared = [steps for steps in by_graph.values() if len(steps) > 1]
+    assert shared and all(s.new_kv is steps[0].new_kv and s.input_ids is steps[0].input_ids
+                          for steps in shared for s in steps)
     g.close()
 
 
