@@ -64,3 +64,17 @@ def test_a_promotion_in_the_smallest_bucket_keeps_it():
     assert np.array_equal(cache.block(1024)[..., :600, :], first)  # not released
     cache.reset()
     assert cache.bucket == 1024 and not cache.block(2048).any()
+
+
+def test_a_promotion_never_holds_both_buckets_whole(monkeypatch):
+    """The old bucket's pages go slab by slab (one layer's K or V) as their entries are copied: resident
+    memory during a promotion stays within a slab or two of where it started, not 31 MiB above it."""
+    cache = KVCache(DIMS, buckets=[1024, 2048])
+    cache.use_bucket(2048)
+    first = fill(cache, 2000, seed=4)  # every page of the 2048 bucket written (32 MiB, 4 MiB per slab)
+    start, during = rss_anon(), []
+    move = cache._move_slab
+    monkeypatch.setattr(cache, "_move_slab", lambda old, new, slab: (move(old, new, slab), during.append(rss_anon())))
+    cache.use_bucket(4096)
+    assert len(during) == 2 * DIMS.num_layers and max(during) - start < 2 * 4 + 2, (start, during)
+    assert np.array_equal(cache.block(4096)[..., :2000, :], first) and not cache.block(2048).any()
