@@ -121,6 +121,9 @@ class _RecordingBackend:
         sink = self.samples.setdefault(os.path.basename(graph_path), [])
         return _RecordingSession(self._backend.load(graph_path, weights_path, prepack, config), sink)
 
+    def release_lookup_pages(self):
+        self._backend.release_lookup_pages()
+
 
 def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, list[dict]]:
     """Run every model of the float32 bundle over the prompts, teacher-forced, each prompt walking through the

@@ -283,11 +283,14 @@ class ModelRunner:
         self.cache.set_length(base + 1 + len(path))
 
     def prefill(self, tokens) -> None:
-        """Fill the cache with tokens along the plan of least cost; no logits are kept."""
+        """Fill the cache with tokens along the plan of least cost; no logits are kept. After each run the
+        weights files' mapped pages go (backend.release_lookup_pages): a prefill reads an embedding row per
+        token, each mapping up to 64 KB around it."""
         done = 0
         for role, T in self.prefill_plan(len(tokens)):
             n = min(T, len(tokens) - done)
             self._execute(role, T, [tokens[done:done + n]])
+            self._backend.release_lookup_pages()
             done += n
 
     # -- batches (runtime/batch.py) ------------------------------------------------------------------------

@@ -123,7 +123,10 @@ class OrtBackend:
         release_pages(self._maps)
         trim_heap()
 
+    def release_lookup_pages(self) -> None:
+        """Drop the mapped pages of the weights files after a prefill run (see CapiBackend's)."""
+        release_pages(self._maps)
+
     def close(self) -> None:
         self._weights.clear()
         self._maps.clear()  # the mmaps close once no array refers to them
-
