@@ -76,10 +76,15 @@ class KVCache:
             self._blocks[bucket], self._pages[bucket] = zeroed_pages(shape, np.dtype(d.dtype))
         return self._blocks[bucket]
 
+    def _releasable(self, bucket: int) -> mmap.mmap | None:
+        """The mapping of a bucket whose pages may go back to the OS, or None: the smallest bucket stays (every
+        generation starts in it), and a bucket not allocated as pages cannot be released."""
+        return self._pages.get(bucket) if bucket != self.buckets[0] else None
+
     def release(self, bucket: int) -> None:
         """Return a bucket's pages to the OS (it reads as zeros again), unless it is the smallest bucket."""
-        pages = self._pages.get(bucket)
-        if pages is not None and bucket != self.buckets[0]:
+        pages = self._releasable(bucket)
+        if pages is not None:
             pages.madvise(mmap.MADV_DONTNEED)
 
     @property
@@ -128,8 +133,8 @@ class KVCache:
         n, old_block = self.used, self.block(old)
         kv, layer = divmod(slab, self.dims.num_layers)
         self.block(new)[kv, layer, ..., :n, :] = old_block[kv, layer, ..., :n, :]
-        pages = self._pages.get(old)
-        if pages is not None and old != self.buckets[0]:
+        pages = self._releasable(old)
+        if pages is not None:
             size = old_block[kv, layer].nbytes
             first = -(-slab * size // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the slab only
             end = (slab + 1) * size // mmap.PAGESIZE * mmap.PAGESIZE

@@ -31,7 +31,7 @@ class _StepBuffers:
         self.position_ids = np.zeros((B, T), np.int64)
         self.logits = np.zeros((B, T, dims.vocab_size), np.float32) if role == C.STEP else None
         self.new_kv = new_kv_block(dims, B, T)
-        self.causal = np.tril(np.ones((T, T), bool))
+        self.causal = np.tril(np.ones((T, T), bool)) if step_mask else None
         self.step_mask = np.broadcast_to(self.causal, (B, T, T)).copy() if step_mask else None
 
 
@@ -310,6 +310,7 @@ class ModelRunner:
         role, T = self.prefill_plan(max(len(p) for p in pending))[0]
         rows = [list(p[:T]) for p in pending]
         self._execute(role, T, rows)
+        self._backend.release_lookup_pages()  # as in `prefill`
         return [len(r) for r in rows]
 
     # -- one row of a batch, through the row prefill graphs (manifest version 3) ------------------------------
@@ -342,6 +343,7 @@ class ModelRunner:
         step.input_ids[0, n:] = 0
         step.position_ids[0] = np.arange(start, start + T)
         self._run(step.session)
+        self._backend.release_lookup_pages()  # as in `prefill`
         self.cache.append_row(row, step.new_kv, n)
         return n
 
