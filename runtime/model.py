@@ -96,7 +96,7 @@ class ModelRunner:
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
         self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
-        self._graph_buckets: dict[tuple[str, int, bool], list[int]] = {}  # (role, T, tree): buckets with it
+        self._graph_buckets: dict[tuple[str, int, bool, bool], list[int]] = {}  # (role, T, tree, row): buckets with it
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
@@ -197,16 +197,18 @@ class ModelRunner:
 
     # -- running -------------------------------------------------------------------------------------
     def _bucket_for(self, role: str, T: int, tree: bool = False, bucket: int | None = None,
-                    used: int | None = None) -> int:
+                    used: int | None = None, row: bool = False) -> int:
         """The smallest past length, at or above the active one, that has the graph and holds the cache plus
         all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1.
-        (bucket, used) stand in for the cache's own when planning ahead."""
+        (bucket, used) stand in for the cache's own when planning ahead; `row`: a batch's row prefill graph,
+        `used` then being that row's length."""
         bucket = self.cache.bucket if bucket is None else bucket
         need = max(bucket, (self.cache.used if used is None else used) + T)
-        buckets = self._graph_buckets.get((role, T, tree))
+        buckets = self._graph_buckets.get((role, T, tree, row))
         if buckets is None:  # once per kind of graph: this runs before every step
-            buckets = [b for b in self.cache.buckets if self.entry.graph(role, T, b, tree)]
-            self._graph_buckets[(role, T, tree)] = buckets
+            buckets = [b for b in self.cache.buckets
+                       if (self.entry.row_graph(T, b) if row else self.entry.graph(role, T, b, tree))]
+            self._graph_buckets[(role, T, tree, row)] = buckets
         return next(b for b in buckets if b >= need)
 
     def _execute(self, role: str, T: int, rows, tree: TreeLayout | None = None) -> _Step:
@@ -335,8 +337,7 @@ class ModelRunner:
         want = min(len(tokens), free)
         T = plan_prefill(want, tuple((C.PREFILL, t) for t in self.row_prefill_sizes), free - want)[0][1]
         n = min(T, len(tokens))
-        need = max(self.cache.bucket, start + T)
-        self.cache.use_bucket(next(b for b in self.cache.buckets if b >= need and self.entry.row_graph(T, b)))
+        self.cache.use_bucket(self._bucket_for(C.PREFILL, T, used=start, row=True))
         step = self._row_step(T, self.cache.bucket)
         step.bind(self.cache, row)
         step.input_ids[0, :n] = tokens[:n]
