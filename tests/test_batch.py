@@ -108,27 +108,6 @@ def test_rows_prefill_alone_through_row_graphs(gens):
     assert g3.target.graph_runs - runs == -(-(len(prompt) - 1) // CHUNK) + NEW  # prefill chunks, then decode
 
 
-def test_batch_prefills_leave_no_pages_of_the_weights_file_mapped(gens):
-    """Like batch 1's prefill (test_prefill_plan.py), a batch's prefill chunk and a row's own prefill drop the
-    weights file's pages that their embedding reads mapped; a decode step maps some, which the test sees."""
-    import os
-
-    from test_prefill_plan import mapped_kib
-
-    _, g3 = gens
-    target = g3.target
-    weights = os.path.realpath(os.path.join(g3.bundle_dir, g3.manifest.target.weights))
-    g3.runner.warm(0)
-    target.reset()
-    assert target.prefill_chunk([PROMPTS[1], PROMPTS[2], []]) == [CHUNK, CHUNK, 0]
-    assert mapped_kib(weights) == 0
-    target.run_rows([[7], [], []])
-    assert mapped_kib(weights) > 0
-    assert target.prefill_row(2, PROMPTS[0]) == len(PROMPTS[0])
-    assert mapped_kib(weights) == 0
-    target.reset()
-
-
 def test_adaptive_greedy_batches_choose_their_step_width_and_stay_exact(gens):
     """Greedy rows with an adaptive draft length: each round the batch picks the step graph its rows' drafts
     are expected to pay for (a draft lengthens every row's step), from every step graph up to the widest

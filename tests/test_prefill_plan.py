@@ -2,8 +2,6 @@
 enumeration of every multiset of runs), and the runtime prefills along it."""
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -138,33 +136,3 @@ def test_a_run_creates_sessions_for_its_plans_prefill_graphs_only(tiny_models, t
         assert out_tokens == reference.generate(prompt, 6, proposer="none", stop_ids=[]).tokens
     g.close()
     reference.close()
-
-
-def mapped_kib(path: str) -> int:
-    """Resident KiB of this process's mappings of a file (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                inside = fields[-1] == path
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1])
-    return total
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
-def test_a_prefill_leaves_no_pages_of_the_weights_file_mapped(tiny_bundle):
-    """Each prefill run reads embedding rows from the mapped weights file, and each read maps the page cache
-    around it; the runs drop those pages again (a decode step maps some, which the test sees)."""
-    gen = Generator.load(tiny_bundle)
-    target = gen.target
-    weights = os.path.realpath(os.path.join(tiny_bundle, gen.manifest.target.weights))
-    prompt = [int(t) for t in np.random.default_rng(5).integers(5, 200, size=3 * CHUNK + 5)]
-    gen.warm("none", 4, prompt=len(prompt))
-    target.reset()
-    target.prefill(prompt)
-    assert target.cache.used == len(prompt) and mapped_kib(weights) == 0
-    target.run([7])
-    assert mapped_kib(weights) > 0
-    gen.close()

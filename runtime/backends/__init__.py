@@ -33,9 +33,19 @@ from ...graphs.quant import PackedInt4, int4_nbytes
 BACKENDS = ("cpu", "ort", "cuda", "tensorrt", "qnn")
 
 
+# Tensors up to this size are copied out of the weights file when it is mapped: norm weights and biases,
+# which every step reads whole (SmolLM2: 61 norms of 2.3 KB). The weights file sits around them, and on a
+# kernel that caches files in large folios (ext4 on Linux 6.18 here) each such read maps the whole folio
+# around it: the norms' reads kept about 60 MB of SmolLM2 int4's quantized weights, which the packed
+# sessions never read, resident after a single decode step. Larger tensors stay views: the weight products,
+# which a copy would only duplicate, and the tables that steps look rows up in (embedding, RoPE).
+PRIVATE_MAX_BYTES = 64 << 10
+
+
 def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict[str, np.ndarray | PackedInt4]]:
     """Read-only views of every indexed tensor over one mmap of the weights file (no copy, no read); int4
-    tensors come as PackedInt4 over their packed bytes."""
+    tensors come as PackedInt4 over their packed bytes. Float and int8 tensors of at most PRIVATE_MAX_BYTES
+    are private copies instead."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -60,7 +70,8 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
         count = ref.length // dtype.itemsize
         if count != int(np.prod(ref.shape)):
             raise BundleError(f"weights index entry {name}: {ref.length} bytes do not hold {ref.dtype}{list(ref.shape)}")
-        tensors[name] = np.frombuffer(mapped, dtype=dtype, count=count, offset=ref.offset).reshape(ref.shape)
+        view = np.frombuffer(mapped, dtype=dtype, count=count, offset=ref.offset).reshape(ref.shape)
+        tensors[name] = view.copy() if ref.length <= PRIVATE_MAX_BYTES else view
     return mapped, tensors
 
 
