@@ -19,6 +19,8 @@ from .kv_cache import KVCache, SharedKVCache, new_kv_block
 from .prefill_plan import plan_prefill
 from .tree import TreeLayout
 
+LOOKUP_RELEASE_TOKENS = 64  # decode drops the lookup pages after this many tokens (release_lookup_pages)
+
 
 class _StepBuffers:
     """The inputs (but the cache) and outputs of a graph (role, T), shared by its sessions of every context
@@ -101,6 +103,7 @@ class ModelRunner:
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
+        self._looked_up = 0  # tokens fed since the weights files' lookup pages were last dropped
         # The tokens whose K/V the cache holds (slot i <-> history[i]) when a generation ended cleanly; empty
         # while one runs or after it failed, so a later prefill never trusts entries it cannot name.
         self.history: list[int] = []
@@ -231,8 +234,19 @@ class ModelRunner:
         elif step.step_mask is not None:  # a tree may have run in this graph last
             step.step_mask[:] = step.causal
         self._run(step.session)
+        self._looked_up += sum(counts)
+        if self._looked_up >= LOOKUP_RELEASE_TOKENS:
+            self.release_lookup_pages()
         self.cache.append(step.new_kv, counts)
         return step
+
+    def release_lookup_pages(self) -> None:
+        """Drop the weights files' mapped pages (backend.release_lookup_pages). Runs read an embedding row per
+        token from the mapped file, and each read maps the page cache around it (a large folio, up to 2 MB,
+        on kernels that cache files in them); prefills drop them after each run, decode every
+        LOOKUP_RELEASE_TOKENS tokens (one madvise; the next read faults its rows back from the page cache)."""
+        self._backend.release_lookup_pages()
+        self._looked_up = 0
 
     def _run(self, session) -> None:
         began = time.perf_counter()
@@ -286,13 +300,12 @@ class ModelRunner:
 
     def prefill(self, tokens) -> None:
         """Fill the cache with tokens along the plan of least cost; no logits are kept. After each run the
-        weights files' mapped pages go (backend.release_lookup_pages): a prefill reads an embedding row per
-        token, each mapping up to 64 KB around it."""
+        weights files' mapped pages go (`release_lookup_pages`)."""
         done = 0
         for role, T in self.prefill_plan(len(tokens)):
             n = min(T, len(tokens) - done)
             self._execute(role, T, [tokens[done:done + n]])
-            self._backend.release_lookup_pages()
+            self.release_lookup_pages()
             done += n
 
     # -- batches (runtime/batch.py) ------------------------------------------------------------------------
@@ -312,7 +325,7 @@ class ModelRunner:
         role, T = self.prefill_plan(max(len(p) for p in pending))[0]
         rows = [list(p[:T]) for p in pending]
         self._execute(role, T, rows)
-        self._backend.release_lookup_pages()  # as in `prefill`
+        self.release_lookup_pages()
         return [len(r) for r in rows]
 
     # -- one row of a batch, through the row prefill graphs (manifest version 3) ------------------------------
@@ -344,7 +357,7 @@ class ModelRunner:
         step.input_ids[0, n:] = 0
         step.position_ids[0] = np.arange(start, start + T)
         self._run(step.session)
-        self._backend.release_lookup_pages()  # as in `prefill`
+        self.release_lookup_pages()
         self.cache.append_row(row, step.new_kv, n)
         return n
 

@@ -16,6 +16,7 @@ from specedge.graphs.manifest import load_manifest, read_index, weights_index_fi
 from specedge.runtime import backends
 from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.generator import Generator
+from specedge.runtime.model import LOOKUP_RELEASE_TOKENS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 
@@ -90,3 +91,24 @@ def test_batch_prefills_leave_no_pages_of_the_weights_file_mapped(tiny_models, t
     assert mapped_kib(weights) > 0
     assert target.prefill_row(2, short) == len(short)
     assert mapped_kib(weights) == 0
+
+
+def test_decode_drops_the_lookup_pages_every_so_many_tokens(tiny_bundle, monkeypatch, request):
+    """A decode step maps the page cache around the embedding rows it reads; every LOOKUP_RELEASE_TOKENS
+    tokens those pages go, so a long generation does not map the whole table a folio at a time."""
+    monkeypatch.setattr(backends, "PRIVATE_MAX_BYTES", SMALL)
+    gen = Generator.load(tiny_bundle)
+    request.addfinalizer(gen.close)
+    target = gen.target
+    weights = os.path.realpath(os.path.join(tiny_bundle, gen.manifest.target.weights))
+    gen.warm("none", 0)
+    target.reset()
+    target.prefill([5, 6, 7])
+    tokens = [int(t) for t in np.random.default_rng(3).integers(5, 200, size=LOOKUP_RELEASE_TOKENS)]
+    for token in tokens[:-1]:
+        target.run([token])
+    assert mapped_kib(weights) > 0
+    target.run([tokens[-1]])
+    assert mapped_kib(weights) == 0
+    target.run([9])
+    assert mapped_kib(weights) > 0

@@ -88,9 +88,9 @@ class CapiBackend:
     def release_lookup_pages(self) -> None:
         """Drop the mapped pages of the bundle's weights files, but not of the optimized graphs' tensors, which
         every step reads. Once sessions have packed their weights, what a run still reads there is an embedding
-        row per token and the norms. Each read fault maps up to 64 KB of page cache around its row (the kernel's
-        fault-around), so a 481-token float32 prefill left about 30 MB of the table resident. ModelRunner.prefill
-        calls this after each run."""
+        row per token (the norms are private copies, map_weights). Each read fault maps the page cache around
+        its row (64 KB of fault-around, or a whole large folio), so a 481-token float32 prefill left about 30 MB
+        of the table resident. ModelRunner calls this after each prefill run and every so many decode tokens."""
         release_pages(self._bundle_maps)
 
     def close(self) -> None:

@@ -124,7 +124,7 @@ class OrtBackend:
         trim_heap()
 
     def release_lookup_pages(self) -> None:
-        """Drop the mapped pages of the weights files after a prefill run (see CapiBackend's)."""
+        """Drop the mapped pages of the weights files (see CapiBackend's)."""
         release_pages(self._maps)
 
     def close(self) -> None:
