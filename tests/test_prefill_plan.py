@@ -2,7 +2,6 @@
 enumeration of every multiset of runs), and the runtime prefills along it."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from conftest import CHUNK

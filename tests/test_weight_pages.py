@@ -20,7 +20,7 @@ from specedge.runtime.model import LOOKUP_RELEASE_TOKENS
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 
-SMALL = 16 << 10  # a tiny model's "small tensors" (norms, RoPE tables), as SmolLM2's are under 1 MiB
+SMALL = 16 << 10  # a tiny model's norms and RoPE tables under it, its embedding and weight products over it
 
 
 def mapped_kib(path: str) -> int:
@@ -37,9 +37,9 @@ def mapped_kib(path: str) -> int:
 
 
 def test_small_tensors_are_private_copies_and_the_rest_views_of_the_file(tiny_bundle, monkeypatch, request):
-    """The norms and RoPE tables, read whole by every step, come from private copies: reading them from the
-    file would map the page cache around them (on large-folio kernels whole folios: about 60 MB of SmolLM2
-    int4's quantized weights, which the packed sessions never read again, after one decode step)."""
+    """The norm weights, read whole by every step, come from private copies: reading them from the file
+    would map the page cache around them (on large-folio kernels whole folios: about 60 MB of SmolLM2 int4's
+    quantized weights, which the packed sessions never read again, after one decode step)."""
     monkeypatch.setattr(backends, "PRIVATE_MAX_BYTES", SMALL)
     manifest = load_manifest(tiny_bundle)
     path = os.path.join(tiny_bundle, manifest.target.weights)
