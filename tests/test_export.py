@@ -66,6 +66,24 @@ def test_check_passes_on_a_good_bundle(tiny_bundle):
     assert "target: exact rows:" in r.stdout and "draft: exact rows:" in r.stdout
 
 
+def test_check_compares_rows_with_the_masked_decode_graph_of_a_step_mask_bundle(tiny_models, tmp_path):
+    """With --step-mask every step graph takes a mask, the one-token one too: check's exact rows compares
+    with that graph (fed a causal mask), as the runtime decodes with it. It used to find no reference
+    and end in a traceback."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "masked")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, gammas=(4,),
+                                                              step_mask=True, tree_sizes=(8,)), progress=False)
+    graphs = load_manifest(out).target.graphs
+    assert all(g.step_mask for g in graphs if g.role == C.STEP)
+    multi_token = [g.file for g in graphs if g.tokens > 1]  # step5, tree8 and the prefill chunks
+    assert any("tree8" in f for f in multi_token)
+    r = specedge("check", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"target: exact rows: {len(multi_token)} graphs compute each row bit for bit" in r.stdout, r.stdout
+
+
 def test_wide_steps_scatter_keys_and_narrow_steps_scatter_scores(tiny_bundle):
     """A step with T*rep > head_dim (prefill, and the tiny model's T=9 verify) scatters its keys into the past
     and scores all slots in one product; a narrower one scatters its scores; every T > 1 step scatters its

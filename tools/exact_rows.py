@@ -86,13 +86,23 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) for k in a.keys() & b.keys())
 
 
+def one_token_steps(model: ModelEntry) -> dict[int, GraphEntry]:
+    """The one-token step graph the runtime decodes with, per bucket: the causal one, or the masked one in a
+    bundle exported with --step-mask, where every step graph takes a mask (the driver feeds it the causal one)."""
+    decode: dict[int, GraphEntry] = {}
+    for g in model.batch_graphs:
+        if g.role == C.STEP and g.tokens == 1 and (g.context not in decode or decode[g.context].step_mask):
+            decode[g.context] = g
+    return decode
+
+
 def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> list[RowsResult]:
     """Every T > 1 graph against one-token steps in its bucket, and every bucket's one-token graph against
     the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
     covers the whole slot range the bucket's reductions run over."""
     d = model.dims
     driver = _Driver(bundle, model, backend, seed)
-    decode = {g.context: g for g in model.batch_graphs if g.role == C.STEP and g.tokens == 1 and not g.step_mask}
+    decode = one_token_steps(model)
     results = []
     try:
         for graph in model.graphs:
