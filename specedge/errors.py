@@ -22,7 +22,8 @@ class BackendError(SpecedgeError):
 
 
 class PlacementError(BackendError):
-    """A valid graph that the chosen backend cannot run as asked (operators its device does not take)."""
+    """A valid graph that the chosen backend cannot run as asked (operators its device does not take, or a
+    device provider that could not start)."""
 
 
 class GenerationError(SpecedgeError, ValueError):

@@ -130,6 +130,23 @@ def test_gpu_backend_without_its_provider_says_what_to_install(tiny_bundle):
     assert_clean_error(generate(tiny_bundle, "--prompt-ids", "5,6", "--backend", "cuda"), "CUDAExecutionProvider")
 
 
+def test_a_gpu_provider_that_cannot_start_is_an_error_not_a_cpu_run(tiny_bundle, monkeypatch):
+    """onnxruntime creates the session on the next provider, with a warning only, when the first cannot
+    start. Here the CPU build is told that CUDA is available: its session runs on the CPU, and the backend
+    must say so instead of running a `cuda` generation on the CPU."""
+    import onnxruntime as ort
+
+    from specedge.errors import BackendError
+    from specedge.runtime.generator import Generator
+
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" in available:
+        pytest.skip("this onnxruntime has the CUDA provider")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider"] + available)
+    with pytest.raises(BackendError, match="could not start CUDAExecutionProvider .* fell back to CPUExecutionProvider"):
+        Generator.load(tiny_bundle, backend="cuda").generate([5, 6], max_new_tokens=2, proposer="none")
+
+
 def test_missing_onnxruntime_says_what_to_install(tiny_bundle):
     # A None entry in sys.modules is what Python shows for a package that is not installed: importing it
     # raises ModuleNotFoundError and importlib.util.find_spec returns None.

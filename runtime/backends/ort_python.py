@@ -7,9 +7,11 @@ so a step moves no data through Python.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ...errors import BackendError
+from ...errors import BackendError, PlacementError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import PackedInt4
 from . import map_weights, release_pages, trim_heap
@@ -101,6 +103,12 @@ class OrtBackend:
             session = self._ort.InferenceSession(graph_path, so, providers=self.providers)
         except Exception as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
+        if self.providers[0] not in session.get_providers():
+            # onnxruntime falls back to the next provider, with a warning only, when one cannot start (CUDA or
+            # TensorRT libraries missing or of another version): a `cuda` run would quietly be a CPU run.
+            raise PlacementError(f"backend {self.name!r}: onnxruntime could not start {self.providers[0]} for "
+                                 f"{os.path.basename(graph_path)} (it fell back to {session.get_providers()[0]}); "
+                                 "are the CUDA/TensorRT libraries onnxruntime-gpu needs installed?")
         return OrtSession(session, "cpu")
 
     def session_options(self, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
