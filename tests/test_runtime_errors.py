@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import CHUNK
 
@@ -143,7 +144,8 @@ def test_a_gpu_provider_that_cannot_start_is_an_error_not_a_cpu_run(tiny_bundle,
     if "CUDAExecutionProvider" in available:
         pytest.skip("this onnxruntime has the CUDA provider")
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider"] + available)
-    with pytest.raises(BackendError, match="could not start CUDAExecutionProvider .* fell back to CPUExecutionProvider"):
+    with pytest.raises(BackendError, match="could not start CUDAExecutionProvider .* fell back to "
+                                           "CPUExecutionProvider"):
         Generator.load(tiny_bundle, backend="cuda").generate([5, 6], max_new_tokens=2, proposer="none")
 
 
@@ -158,3 +160,55 @@ sys.exit(main(['generate', {tiny_bundle!r}, '--prompt-ids', '5,6']))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert_clean_error(r, "pip install onnxruntime")
+
+
+def test_device_provider_sessions_send_the_inputs_again_at_every_run():
+    """onnxruntime copies a host-bound input to the device when it is bound, not at each run (IOBinding::
+    BindInput), so a CUDA or TensorRT session bound once would read its first step's tokens and cache forever
+    (seen on an H200: every draft rejected, output unlike the CPU's from the first token). Their sessions bind
+    the inputs again before each run; CPU sessions, which read the host buffers in place, bind once."""
+    from specedge.runtime.backends.ort_python import OrtSession
+
+    class Binding:
+        def __init__(self):
+            self.inputs = []
+
+        def bind_input(self, name, device, device_id, dtype, shape, pointer):
+            self.inputs.append(name)
+
+        def bind_output(self, *args):
+            pass
+
+    class Session:
+        def __init__(self):
+            self.binding, self.runs = Binding(), 0
+
+        def get_inputs(self):
+            return [type("Arg", (), {"name": "input_ids", "type": "tensor(int64)", "shape": [1, 1]})()]
+
+        get_outputs = get_inputs
+
+        def io_binding(self):
+            return self.binding
+
+        def run_with_iobinding(self, binding):
+            self.runs += 1
+            if self.runs == 3:  # what onnxruntime raises when a kernel of the provider fails
+                raise RuntimeError("Non-zero status code returned while running DequantizeLinear node.\nmore")
+
+        def get_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    for rebind, binds in ((True, 3), (False, 1)):
+        fake = Session()
+        session = OrtSession(fake, rebind_inputs=rebind, name="target.step1.s128.onnx")
+        session.bind({"input_ids": np.zeros((1, 1), np.int64)}, {"input_ids": np.zeros((1, 1), np.int64)})
+        session.run()
+        session.run()
+        assert fake.runs == 2 and fake.binding.inputs == ["input_ids"] * binds
+    # A failing run is one clear error, not onnxruntime's exception type.
+    from specedge.errors import PlacementError
+
+    with pytest.raises(PlacementError, match=r"^onnxruntime failed running target.step1.s128.onnx on "
+                       r"CUDAExecutionProvider: Non-zero status code returned while running DequantizeLinear node.$"):
+        session.run()

@@ -25,10 +25,18 @@ _TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int6
           "tensor(int32)": "int32", "tensor(bool)": "bool"}
 
 
+# Providers that compute in device memory. onnxruntime copies a host-bound input to the device when it is
+# bound (IOBinding::BindInput), not at every run: a session bound once would read the inputs of its first
+# step forever. Their sessions bind the inputs again before each run, which sends what the runtime wrote
+# since (tokens, positions, cache_len, the cache). Outputs bound to host memory are copied back by every run.
+DEVICE_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
 class OrtSession:
-    def __init__(self, session, device: str):
+    def __init__(self, session, rebind_inputs: bool = False, name: str = "graph"):
         self._session = session
-        self._device = device
+        self._rebind_inputs = rebind_inputs
+        self._name = name
         self.inputs = [(i.name, _TYPES.get(i.type, i.type), tuple(d if isinstance(d, int) else -1 for d in i.shape))
                        for i in session.get_inputs()]
         self.outputs = [(o.name, _TYPES.get(o.type, o.type), tuple(d if isinstance(d, int) else -1 for d in o.shape))
@@ -40,17 +48,27 @@ class OrtSession:
         _check_arrays("input", self.inputs, inputs)
         _check_arrays("output", self.outputs, outputs)
         binding = self._session.io_binding()
-        for name, array in inputs.items():
-            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        _bind_inputs(binding, inputs)
         for name, array in outputs.items():
             binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
         self._binding, self._keep = binding, (inputs, outputs)
 
     def run(self) -> None:
-        self._session.run_with_iobinding(self._binding)
+        if self._rebind_inputs:
+            _bind_inputs(self._binding, self._keep[0])
+        try:
+            self._session.run_with_iobinding(self._binding)
+        except Exception as e:  # a kernel the provider lacks shows only here (CUDA: int4 DequantizeLinear)
+            raise PlacementError(f"onnxruntime failed running {self._name} on {self._session.get_providers()[0]}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
     def close(self) -> None:
         self._binding = self._keep = self._session = None
+
+
+def _bind_inputs(binding, inputs: dict[str, np.ndarray]) -> None:
+    for name, array in inputs.items():
+        binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
 def _check_arrays(kind: str, specs, arrays: dict[str, np.ndarray]) -> None:
@@ -109,7 +127,8 @@ class OrtBackend:
             raise PlacementError(f"backend {self.name!r}: onnxruntime could not start {self.providers[0]} for "
                                  f"{os.path.basename(graph_path)} (it fell back to {session.get_providers()[0]}); "
                                  "are the CUDA/TensorRT libraries onnxruntime-gpu needs installed?")
-        return OrtSession(session, "cpu")
+        return OrtSession(session, rebind_inputs=self.providers[0] in DEVICE_PROVIDERS,
+                          name=os.path.basename(graph_path))
 
     def session_options(self, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
         """Threads, the graph's session config and the shared weights of `weights_path` (add_weights_file)."""

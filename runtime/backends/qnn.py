@@ -134,7 +134,7 @@ class QnnBackend(OrtBackend):
                                "although CPU fallback is disabled")
         self.loads.append(LoadRecord(os.path.basename(graph_path), source, time.perf_counter() - started,
                                      placement, ctx))
-        return OrtSession(session, "cpu")
+        return OrtSession(session, name=os.path.basename(graph_path))
 
     def _load_cached(self, graph_path: str, weights_path: str, config):
         key = self.cache.key(graph_path, weights_path, self._cache_options(config))
