@@ -16,8 +16,9 @@ Backends:
   cuda      onnxruntime-gpu with the CUDA execution provider (pip install 'specedge[cuda]').
   tensorrt  onnxruntime-gpu with the TensorRT execution provider (needs TensorRT libraries).
   qnn       onnxruntime-qnn: the QNN execution provider on a Qualcomm HTP, or its x86 emulator (qnn.py).
-The GPU backends cannot be tested on the CPU-only development machine; they are thin provider choices over
-the same `ort` code path.
+The GPU backends are provider choices over the same `ort` code path, with the cache in host memory (inputs
+are bound again before each run: ort_python.DEVICE_PROVIDERS). CI has no GPU; `cuda` was checked once on an
+H200 with tools/gpu_check.py (benchmarks/gpu/README.md), `tensorrt` never.
 """
 from __future__ import annotations
 
