@@ -109,9 +109,11 @@ def _add_check(sub) -> None:
     p.add_argument("bundle")
     p.add_argument("--no-load", action="store_true",
                    help="skip loading each graph in onnxruntime (and the exact-rows comparison)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "qnn"],
-                   help="where each graph is loaded and run once: cpu (default), or qnn to also report per graph "
-                   "whether every node is placed on QNN (Qualcomm HTP or its x86 emulator)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "ort", "cuda", "tensorrt", "qnn"],
+                   help="where each graph is loaded and run once, and the exact rows are checked: cpu (default), "
+                   "ort, cuda or tensorrt (onnxruntime-gpu: rows are checked on the GPU, where float32 kernels may "
+                   "round a T-token step's rows differently), or qnn to report per graph whether every node is "
+                   "placed on QNN (Qualcomm HTP or its x86 emulator; rows are checked on the CPU only)")
 
 
 def _run_check(a) -> int:

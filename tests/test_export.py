@@ -106,9 +106,11 @@ def test_wide_steps_scatter_keys_and_narrow_steps_scatter_scores(tiny_bundle):
     assert seen == {True, False}
 
 
-def test_check_catches_rows_that_differ_from_decode(tiny_bundle, tmp_path):
+@pytest.mark.parametrize("backend", ["cpu", "ort"])
+def test_check_catches_rows_that_differ_from_decode(tiny_bundle, tmp_path, backend):
     """A verify graph whose rows differ from decode in the last bits (logits scaled by 1 + 2**-20, one ulp
-    or so) breaks exact speculation; check's exact-rows comparison must see it."""
+    or so) breaks exact speculation; check's exact-rows comparison must see it, on the backend asked for
+    (`--backend ort` runs the rows through the code path of the GPU backends, onnxruntime's Python API)."""
     import shutil
 
     b = str(tmp_path / "b")
@@ -122,9 +124,11 @@ def test_check_catches_rows_that_differ_from_decode(tiny_bundle, tmp_path):
     proto.graph.initializer.append(scale)
     proto.graph.node.append(onnx.helper.make_node("Mul", ["logits_exact", "nudge"], ["logits"]))
     onnx.save(proto, path)
-    r = specedge("check", b)
+    r = specedge("check", b, "--backend", backend)
     assert r.returncode == 1
-    assert "exact rows: target.step5.s128.onnx differs from 5 one-token steps" in r.stdout, r.stdout[-3000:]
+    where = "" if backend == "cpu" else " on ort"
+    assert f"target: exact rows{where}: target.step5.s128.onnx differs from 5 one-token steps" in r.stdout, \
+        r.stdout[-3000:]
 
 
 @pytest.mark.parametrize("damage", ["truncate_graph", "manifest_dims", "truncate_weights", "foreign_op"])

@@ -236,25 +236,29 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         report.add(False, f"{label}: onnxruntime cannot run it: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
-def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report) -> None:
+def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backend_name: str = "cpu") -> None:
     from ..runtime.backends import create_backend
     from .exact_rows import check_model_rows
 
     started = time.perf_counter()
-    backend = create_backend("cpu", threads=None)
+    backend = create_backend(backend_name, threads=None)
     try:
         results = check_model_rows(bundle, model, backend)
     finally:
         backend.close()
     inexact = [r for r in results if not r.exact]
-    report.add(not inexact, f"{name}: exact rows: {len(results)} graphs compute each row bit for bit as decode "
-               f"does ({time.perf_counter() - started:.1f} s)" if not inexact else f"{name}: exact rows: " + "; ".join(
-                   f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
-               + " (speculative output would not equal plain output)")
+    label = f"{name}: exact rows" + ("" if backend_name == "cpu" else f" on {backend_name}")
+    if not inexact:
+        report.add(True, f"{label}: {len(results)} graphs compute each row bit for bit as decode does "
+                   f"({time.perf_counter() - started:.1f} s)")
+    else:
+        found = "; ".join(f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
+        report.add(False, f"{label}: {found} (speculative output would not equal plain output)")
 
 
 def check_bundle(bundle: str, load: bool = True, backend: str = "cpu") -> Report:
-    """`backend`: where graphs are loaded and run once (cpu, or qnn to report node placement on the HTP)."""
+    """`backend`: where graphs are loaded and run once, and exact rows checked (cpu, ort, cuda, tensorrt), or qnn
+    to report node placement on the HTP."""
     report = Report()
     if load and backend != "cpu":
         _make_backend(backend).close()  # a backend that is not installed is one error, not one per graph
@@ -291,7 +295,7 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu") -> Report
             report.add(True, f"{name}: exact rows not checked for qnn-qdq16 on the CPU (its CPU kernels are not "
                        "the HTP's; speculation on the HTP is tested against plain greedy there)")
         elif load and report.ok:
-            _check_rows(bundle, name, model, report)
+            _check_rows(bundle, name, model, report, backend)
     for f in manifest.tokenizer.files:
         report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
     return report
