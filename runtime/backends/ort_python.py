@@ -93,6 +93,10 @@ class OrtBackend:
         self._weights: dict[str, dict[str, object]] = {}  # weights file -> {name: OrtValue}
         self._maps = []
         self.providers = self._providers()
+        if self.providers and self.providers[0] in DEVICE_PROVIDERS:
+            # The CUDA kernels log to the process-wide logger, not the session's: its ScatterND warns at every
+            # cache write that duplicate indices are undefined (ours never repeat), thousands of lines a run.
+            ort.set_default_logger_severity(3)
 
     def _providers(self) -> list[str]:
         """The execution providers sessions get, checked against this onnxruntime (a subclass may register its own)."""
