@@ -21,6 +21,10 @@ _PROVIDERS = {
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
+# float32 bundles compute in float32: onnxruntime's CUDA provider lets cuBLAS use TF32 (10-bit mantissa) by
+# default, and on an H200 a float32 verify step's rows differed from one-token decode by up to 8e-3
+# (benchmarks/gpu/README.md). Set from that run; its effect on the rows was not measured (no GPU since).
+_PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 _TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
           "tensor(int32)": "int32", "tensor(bool)": "bool"}
 
@@ -122,7 +126,8 @@ class OrtBackend:
              config: dict[str, str] | None = None) -> OrtSession:
         so = self.session_options(weights_path, prepack, config)
         try:
-            session = self._ort.InferenceSession(graph_path, so, providers=self.providers)
+            providers = [(p, _PROVIDER_OPTIONS[p]) if p in _PROVIDER_OPTIONS else p for p in self.providers]
+            session = self._ort.InferenceSession(graph_path, so, providers=providers)
         except Exception as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
         if self.providers[0] not in session.get_providers():
