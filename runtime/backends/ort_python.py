@@ -22,8 +22,8 @@ _PROVIDERS = {
     "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
 }
 # float32 bundles compute in float32: onnxruntime's CUDA provider lets cuBLAS use TF32 (10-bit mantissa) by
-# default, and on an H200 a float32 verify step's rows differed from one-token decode by up to 8e-3
-# (benchmarks/gpu/README.md). Set from that run; its effect on the rows was not measured (no GPU since).
+# default. On an H200 a float32 verify step's rows differed from one-token decode by up to 8e-3 with it, by
+# 1e-7 to 8e-6 without (benchmarks/gpu/README.md).
 _PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 _TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
           "tensor(int32)": "int32", "tensor(bool)": "bool"}
