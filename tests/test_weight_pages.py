@@ -5,6 +5,7 @@ the lookup pages they mapped. On Linux only: madvise, /proc/self/smaps and /proc
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -36,14 +37,23 @@ def mapped_kib(path: str) -> int:
     return total
 
 
-def test_small_tensors_are_private_copies_and_the_rest_views_of_the_file(tiny_bundle, monkeypatch, request):
+@pytest.fixture
+def own_bundle(tiny_bundle, tmp_path):
+    """A copy of the tiny bundle that no other test maps: mapped_kib counts every mapping of the file in this
+    process, so a generator that another test left to the garbage collector would count too."""
+    out = str(tmp_path / "tiny")
+    shutil.copytree(tiny_bundle, out)
+    return out
+
+
+def test_small_tensors_are_private_copies_and_the_rest_views_of_the_file(own_bundle, monkeypatch, request):
     """The norm weights, read whole by every step, come from private copies: reading them from the file
     would map the page cache around them (on large-folio kernels whole folios: about 60 MB of SmolLM2 int4's
     quantized weights, which the packed sessions never read again, after one decode step)."""
     monkeypatch.setattr(backends, "PRIVATE_MAX_BYTES", SMALL)
-    manifest = load_manifest(tiny_bundle)
-    path = os.path.join(tiny_bundle, manifest.target.weights)
-    index = read_index(os.path.join(tiny_bundle, weights_index_file(manifest.target.weights)))
+    manifest = load_manifest(own_bundle)
+    path = os.path.join(own_bundle, manifest.target.weights)
+    index = read_index(os.path.join(own_bundle, weights_index_file(manifest.target.weights)))
     mapped, tensors = backends.map_weights(path, index)
     request.addfinalizer(lambda: backends.release_pages([mapped]))  # the other tests count the file's pages
     file = np.frombuffer(mapped, np.uint8)
@@ -56,14 +66,14 @@ def test_small_tensors_are_private_copies_and_the_rest_views_of_the_file(tiny_bu
         assert bytes(raw) == bytes(file[ref.offset:ref.offset + ref.length]), name
 
 
-def test_a_prefill_leaves_no_pages_of_the_weights_file_mapped(tiny_bundle, monkeypatch, request):
+def test_a_prefill_leaves_no_pages_of_the_weights_file_mapped(own_bundle, monkeypatch, request):
     """Each prefill run reads embedding rows from the mapped weights file, and each read maps the page cache
     around it; the runs drop those pages again (a decode step maps some, which the test sees)."""
     monkeypatch.setattr(backends, "PRIVATE_MAX_BYTES", SMALL)
-    gen = Generator.load(tiny_bundle)
+    gen = Generator.load(own_bundle)
     request.addfinalizer(gen.close)
     target = gen.target
-    weights = os.path.realpath(os.path.join(tiny_bundle, gen.manifest.target.weights))
+    weights = os.path.realpath(os.path.join(own_bundle, gen.manifest.target.weights))
     prompt = [int(t) for t in np.random.default_rng(5).integers(5, 200, size=3 * CHUNK + 5)]
     gen.warm("none", 4, prompt=len(prompt))
     target.reset()
@@ -93,14 +103,14 @@ def test_batch_prefills_leave_no_pages_of_the_weights_file_mapped(tiny_models, t
     assert mapped_kib(weights) == 0
 
 
-def test_decode_drops_the_lookup_pages_every_so_many_tokens(tiny_bundle, monkeypatch, request):
+def test_decode_drops_the_lookup_pages_every_so_many_tokens(own_bundle, monkeypatch, request):
     """A decode step maps the page cache around the embedding rows it reads; every LOOKUP_RELEASE_TOKENS
     tokens those pages go, so a long generation does not map the whole table a folio at a time."""
     monkeypatch.setattr(backends, "PRIVATE_MAX_BYTES", SMALL)
-    gen = Generator.load(tiny_bundle)
+    gen = Generator.load(own_bundle)
     request.addfinalizer(gen.close)
     target = gen.target
-    weights = os.path.realpath(os.path.join(tiny_bundle, gen.manifest.target.weights))
+    weights = os.path.realpath(os.path.join(own_bundle, gen.manifest.target.weights))
     gen.warm("none", 0)
     target.reset()
     target.prefill([5, 6, 7])
