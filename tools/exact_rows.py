@@ -31,7 +31,7 @@ class RowsResult:
         return self.max_diff == 0.0
 
 
-class _Driver:
+class GraphDriver:
     """The contract's host side for one model: a cache per bucket, and `run(graph, tokens, start)`."""
 
     def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0):
@@ -82,7 +82,8 @@ class _Driver:
             s.close()
 
 
-def _max_diff(a: dict, b: dict) -> float:
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |a[k] - b[k]| over the arrays both dicts name, in float64."""
     return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) for k in a.keys() & b.keys())
 
 
@@ -101,7 +102,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
     the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
     covers the whole slot range the bucket's reductions run over."""
     d = model.dims
-    driver = _Driver(bundle, model, backend, seed)
+    driver = GraphDriver(bundle, model, backend, seed)
     decode = one_token_steps(model)
     results = []
     try:
@@ -118,7 +119,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             B = model.graph_dims(graph).batch  # a row graph is compared with the first row of the batch's steps
             stacked = {name: np.concatenate([r[name][:B] for r in rows], axis=2 if name != C.LOGITS else 1)
                        for name in whole}
-            results.append(RowsResult(graph, f"{T} one-token steps, S={S}", _max_diff(whole, stacked)))
+            results.append(RowsResult(graph, f"{T} one-token steps, S={S}", max_abs_diff(whole, stacked)))
         smallest = min(decode)
         start = smallest - 5
         tokens = driver.rng.integers(0, d.vocab_size, (d.batch, 1))
@@ -130,7 +131,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             keys, values = driver.fresh_cache(S, start)
             keys[:, :, :, :start], values[:, :, :, :start] = base_k[:, :, :, :start], base_v[:, :, :, :start]
             out = driver.run(graph, keys, values, tokens, start)
-            results.append(RowsResult(graph, f"one-token step, S={smallest}", _max_diff(out, reference)))
+            results.append(RowsResult(graph, f"one-token step, S={smallest}", max_abs_diff(out, reference)))
     finally:
         driver.close()
     return results

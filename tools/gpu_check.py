@@ -23,7 +23,7 @@ import time
 from ..graphs import contract as C
 from ..runtime.backends import create_backend
 from ..runtime.generator import Generator
-from .exact_rows import _Driver, _max_diff, check_model_rows, one_token_steps
+from .exact_rows import GraphDriver, max_abs_diff, check_model_rows, one_token_steps
 
 
 def step_logits_diff(bundle: str, model, backend_name: str, seed: int = 0) -> float:
@@ -31,7 +31,7 @@ def step_logits_diff(bundle: str, model, backend_name: str, seed: int = 0) -> fl
     decode = min(one_token_steps(model).items())[1]
     outputs = []
     for name in ("cpu", backend_name):
-        driver = _Driver(bundle, model, create_backend(name, threads=None), seed)
+        driver = GraphDriver(bundle, model, create_backend(name, threads=None), seed)
         try:
             keys, values = driver.fresh_cache(decode.context, decode.context // 2)
             tokens = driver.rng.integers(0, model.dims.vocab_size, (model.dims.batch, 1))
@@ -39,7 +39,7 @@ def step_logits_diff(bundle: str, model, backend_name: str, seed: int = 0) -> fl
         finally:
             driver.close()
             driver.backend.close()
-    return _max_diff({C.LOGITS: outputs[0][C.LOGITS]}, {C.LOGITS: outputs[1][C.LOGITS]})
+    return max_abs_diff({C.LOGITS: outputs[0][C.LOGITS]}, {C.LOGITS: outputs[1][C.LOGITS]})
 
 
 def configurations(gen: Generator, gamma: int) -> list[tuple[str, int, int]]:
