@@ -41,7 +41,7 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, StepWidth
-from .generator import (GenerationResult, check_gamma, check_min_new_tokens, check_request, check_vocab,
+from .generator import (GenerationResult, check_min_new_tokens, check_request, check_speculation, check_vocab,
                         shares_target_cache)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
@@ -49,8 +49,6 @@ from .proposers import NGRAM_SIZES, Sampler, ngram_chain
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
-
-BATCH_PROPOSERS = ("draft", "ngram", "none")
 
 
 @dataclass
@@ -105,13 +103,7 @@ class BatchRunner:
         except ValueError as e:
             raise GenerationError(str(e)) from None
         check_request(prompts, self.target.dims, max_new_tokens)
-        if proposer not in BATCH_PROPOSERS:
-            raise GenerationError(f"proposer {proposer!r} is not available for batches; choose one of "
-                                  f"{', '.join(BATCH_PROPOSERS)}")
-        if proposer == "draft" and self.draft is None:
-            raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
-        if proposer != "none":
-            check_gamma(self.manifest, gamma)
+        check_speculation(self.manifest, self.draft is not None, proposer, gamma)
         return params
 
     def free_row(self, prompt: list[int]) -> int | None:

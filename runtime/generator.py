@@ -87,13 +87,7 @@ class Generator:
     # -- validation ----------------------------------------------------------------------------------
     def _validate(self, prompt_ids, max_new_tokens, proposer, gamma, tree: int = 0) -> None:
         check_request([prompt_ids], self.target.dims, max_new_tokens)
-        if proposer not in PROPOSERS:
-            raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
-        if proposer == "draft" and self.draft is None:
-            raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
-                                  "--draft-layers), or use --proposer ngram")
-        if proposer != "none":
-            check_gamma(self.manifest, gamma)
+        check_speculation(self.manifest, self.draft is not None, proposer, gamma)
         if tree and proposer != "none":
             trees = self.manifest.target.tree_tokens()
             if tree not in trees:
@@ -334,6 +328,18 @@ def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: i
 def check_min_new_tokens(min_new_tokens) -> None:
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
         raise GenerationError(f"min_new_tokens must be an int >= 0 (0 = off), not {min_new_tokens!r}")
+
+
+def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma: int) -> None:
+    """The proposer exists, 'draft' has a draft model to run, and gamma has a verify graph (GenerationError if
+    not). One check for a generator, a batch generator and the server's defaults and requests."""
+    if proposer not in PROPOSERS:
+        raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
+    if proposer == "draft" and not has_draft:
+        raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
+                              "--draft-layers), or use --proposer ngram")
+    if proposer != "none":
+        check_gamma(manifest, gamma)
 
 
 def check_gamma(manifest: Manifest, gamma: int) -> None:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .engine import BatchEngine, Engine, EngineConfig, Event, Job, QueueFull, SerialEngine, check_speculation
+from ..runtime.generator import check_speculation
+from .engine import BatchEngine, Engine, EngineConfig, Event, Job, QueueFull, SerialEngine
 from .protocol import (RequestError, chunk_body, completion_body, error_body, parse_request, usage,
                        usage_chunk)
 
@@ -49,7 +50,7 @@ def load_engine(config: ServerConfig) -> Engine:
     gen = (BatchGenerator if batched else Generator).load(config.bundle, backend=config.backend,
                                                            threads=config.threads)
     try:
-        check_speculation(gen, config.engine.proposer, config.engine.gamma)
+        check_speculation(gen.manifest, gen.draft is not None, config.engine.proposer, config.engine.gamma)
         # Sessions are created on first use; create the default configuration's now, not in a request.
         if batched:
             gen.runner.warm(config.engine.gamma if config.engine.proposer != "none" else 0)

@@ -22,9 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import GenerationError, SpecedgeError
-from ..runtime.batch import BATCH_PROPOSERS, BatchGenerator
-from ..runtime.generator import Generator, check_gamma
+from ..errors import SpecedgeError
+from ..runtime.generator import Generator, check_speculation
 from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
 from .metrics import Metrics
@@ -65,18 +64,6 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-def check_speculation(gen, proposer: str, gamma: int) -> None:
-    """The proposer must exist in the bundle (and run in batches, for a batch bundle) and gamma must have a
-    verify graph (GenerationError if not)."""
-    if isinstance(gen, BatchGenerator) and proposer not in BATCH_PROPOSERS:
-        raise GenerationError(f"proposer {proposer!r} is not available on a batch bundle; use "
-                              f"{' or '.join(BATCH_PROPOSERS)}")
-    if proposer == "draft" and gen.draft is None:
-        raise GenerationError("proposer 'draft' needs a bundle with a draft model; use ngram or none")
-    if proposer != "none":
-        check_gamma(gen.manifest, gamma)
 
 
 class QueueFull(Exception):
@@ -133,7 +120,8 @@ class Engine:
 
     def _check_speculation(self, req: CompletionRequest) -> None:
         try:
-            check_speculation(self.gen, req.proposer or self.config.proposer, req.gamma or self.config.gamma)
+            check_speculation(self.gen.manifest, self.gen.draft is not None, req.proposer or self.config.proposer,
+                              req.gamma or self.config.gamma)
         except SpecedgeError as e:
             raise RequestError(str(e), param="gamma" if "gamma" in str(e) else "proposer") from None
 

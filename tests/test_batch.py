@@ -373,7 +373,7 @@ def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
     ({"prompts": []}, "no prompts"),
     ({"prompts": [[5], []]}, "prompt 1 is empty"),
     ({"prompts": [[5]], "proposer": "draft"}, "needs a bundle with a draft model"),
-    ({"prompts": [[5]], "proposer": "lookahead"}, "not available for batches; choose one of draft, ngram, none"),
+    ({"prompts": [[5]], "proposer": "lookahead"}, "unknown proposer 'lookahead'; choose one of draft, ngram, none"),
     ({"prompts": [[5]], "gamma": 3}, "gamma 3 has no verify graph"),
     ({"prompts": [[5]], "temperature": -1.0}, "temperature"),
     ({"prompts": [[5] * 200]}, "context holds 128"),
