@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import pytest
 from conftest import CHUNK
-from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, qnn_cache,  # noqa: F401
-                      teacher_forced)  # (qnn_cache: the autouse fixture)
+from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, cpu_gen, qnn_cache,  # noqa: F401
+                      teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -48,13 +48,6 @@ def qdq_bundle(tiny_models, calibration_ids, tmp_path_factory):
                                                              flavour="qnn-qdq16", calibration_prompts=calibration_ids),
                   progress=False)
     return out
-
-
-@pytest.fixture(scope="module")
-def cpu_gen(tiny_bundle):
-    g = Generator.load(tiny_bundle)
-    yield g
-    g.close()
 
 
 def test_manifest_records_the_flavour_and_graphs_keep_the_contract(qdq_bundle):
