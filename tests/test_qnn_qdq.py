@@ -50,6 +50,46 @@ def qdq_bundle(tiny_models, calibration_ids, tmp_path_factory):
     return out
 
 
+def test_calibration_ranges_equal_onnxruntimes_minmax_calibrator(tiny_bundle, tmp_path):
+    """export.qdq's own MinMax pass (every float tensor as an output, reduced in numpy) gives the ranges that
+    onnxruntime's MinMax calibrator gives, for every tensor of every graph of the tiny float32 bundle."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    from specedge.export.qdq import _calibrate, _graph_feeds, record_feeds
+
+    bundle = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, bundle)  # _calibrate writes its augmented graph next to the graph
+    manifest = load_manifest(bundle)
+    rng = np.random.default_rng(1)
+    recorded = record_feeds(bundle, manifest, [rng.integers(2, 1000, 60).tolist() for _ in range(2)])
+    compared = 0
+    for entry in manifest.models.values():
+        for graph in entry.graphs:
+            feeds = _graph_feeds(graph, entry.dims, recorded, entry.graphs, 6)
+            assert feeds, graph.file
+            ours = _calibrate(os.path.join(bundle, graph.file), feeds)
+
+            class Reader:
+                def __init__(self):
+                    self.left = list(feeds)
+
+                def get_next(self):
+                    return self.left.pop(0) if self.left else None
+
+            calibrator = create_calibrator(os.path.join(bundle, graph.file), None,
+                                           augmented_model_path=str(tmp_path / "augmented.onnx"),
+                                           calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True)
+            calibrator.collect_data(Reader())
+            theirs = {name: (float(np.min(d.range_value[0])), float(np.max(d.range_value[1])))
+                      for name, d in calibrator.compute_data().items()}
+            del calibrator
+            assert ours.keys() == theirs.keys(), (graph.file, ours.keys() ^ theirs.keys())
+            assert ours == theirs, graph.file
+            compared += len(ours)
+    assert compared > 100
+    assert sorted(os.listdir(bundle)) == sorted(os.listdir(tiny_bundle))  # the augmented graphs are gone
+
+
 def test_manifest_records_the_flavour_and_graphs_keep_the_contract(qdq_bundle):
     manifest = load_manifest(qdq_bundle)
     assert manifest.export["flavour"] == "qnn-qdq16"
