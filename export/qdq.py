@@ -127,7 +127,12 @@ class _RecordingBackend:
 
 def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, list[dict]]:
     """Run every model of the float32 bundle over the prompts, teacher-forced, each prompt walking through the
-    cache in turns of every graph; return graph file -> the feeds it received."""
+    cache in turns of every graph; return graph file -> the feeds it received.
+
+    Every (role, T) must also run early in the cache, where it fits the smallest bucket: a walk that starts
+    with the largest prefill chunk reaches its steps only past 120 slots (64 + 32 + 16 + 8), beyond a 128-slot
+    bucket and beyond a short prompt's end. So prompts alternate between that walk and the reverse one (the
+    smallest step first, the largest prefill last), and a single prompt walks both."""
     from ..graphs.manifest import read_index, weights_index_file
     from ..runtime.backends.ort_python import OrtBackend
     from ..runtime.model import ModelRunner
@@ -141,12 +146,15 @@ def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, l
         for name, entry in manifest.models.items():
             runner = ModelRunner(name, bundle, entry, _RecordingBackend(backend, samples))  # its own cache
             turns = sorted({(g.role, g.tokens) for g in entry.graphs}, key=lambda rt: (rt[0] != C.PREFILL, -rt[1]))
+            walks = [(prompt, turns if i % 2 == 0 else turns[::-1]) for i, prompt in enumerate(prompts)]
+            if len(prompts) == 1:
+                walks.append((prompts[0], turns[::-1]))
             try:
-                for prompt in prompts:
+                for prompt, order in walks:
                     runner.reset()
                     pos, turn = 0, 0
                     while True:
-                        role, T = turns[turn % len(turns)]
+                        role, T = order[turn % len(order)]
                         if pos + T > len(prompt) or runner.cache.free < T:
                             break
                         if role == C.PREFILL:

@@ -50,6 +50,21 @@ def qdq_bundle(tiny_models, calibration_ids, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("count", [None, 1])
+def test_default_graphs_in_two_buckets_all_get_calibration_data(tiny_models, calibration_ids, tmp_path, count):
+    """The default prefill chunks and gammas, in buckets of 128 and 256 slots: every graph gets calibration data.
+    Before, every prompt walked the cache largest prefill chunk first and reached the steps only past 120 slots,
+    and the export failed with "no calibration data reached target.step1.s128.onnx"."""
+    out = str(tmp_path / "bundle")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=256, flavour="qnn-qdq16", calibration_count=count,
+                                                             calibration_prompts=calibration_ids), progress=False)
+    manifest = load_manifest(out)
+    assert manifest.target.buckets() == [128, 256]
+    samples = manifest.export["qnn"]["calibration"]["samples_per_graph"]
+    assert set(samples) == {g.file for m in manifest.models.values() for g in m.graphs}
+    assert min(samples.values()) > 0
+
+
 def test_calibration_ranges_equal_onnxruntimes_minmax_calibrator(tiny_bundle, tmp_path):
     """export.qdq's own MinMax pass (every float tensor as an output, reduced in numpy) gives the ranges that
     onnxruntime's MinMax calibrator gives, for every tensor of every graph of the tiny float32 bundle."""
