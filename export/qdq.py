@@ -118,8 +118,10 @@ class _RecordingBackend:
         self.samples = samples  # (graph file name) -> [feeds]
 
     def load(self, graph_path, weights_path, prepack=True, config=None):
+        # No prepacking: this backend's sessions would each keep a packed copy of the float weights (16 SmolLM2
+        # graphs: 8.8 GB, the export's peak); unpacked, they all read the one copy of the weights file.
         sink = self.samples.setdefault(os.path.basename(graph_path), [])
-        return _RecordingSession(self._backend.load(graph_path, weights_path, prepack, config), sink)
+        return _RecordingSession(self._backend.load(graph_path, weights_path, False, config), sink)
 
     def release_lookup_pages(self):
         self._backend.release_lookup_pages()
@@ -334,11 +336,13 @@ def _quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: 
             overrides[n.input[1]] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 1}]
     config = get_qnn_qdq_config(model, None, activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8,
                                 init_overrides=overrides)
+    exclude = float_nodes(model)
+    del model, inits  # onnx.save moved the weights out, but the parsed message holds their 538 MB until freed
     out = os.path.join(scratch, "q.onnx")
     quantize_static(float_path, out, None, calibration_cache_path=cache, quant_format=config.quant_format,
                     activation_type=config.activation_type, weight_type=config.weight_type,
                     op_types_to_quantize=config.op_types_to_quantize, per_channel=config.per_channel,
-                    nodes_to_exclude=float_nodes(model), use_external_data_format=True,
+                    nodes_to_exclude=exclude, use_external_data_format=True,
                     extra_options=config.extra_options)
     quantized = onnx.load(out)
     _clear(scratch)
@@ -382,6 +386,7 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
                 path = os.path.join(bundle, graph.file)
                 q = _quantize_graph(path, ranges, scratch)
                 shared = stored.setdefault(entry.weights, {})
+                external = set()
                 for init in q.graph.initializer:
                     if int(np.prod(init.dims)) < _STORE_MIN:
                         continue
@@ -389,12 +394,14 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
                     if init.name in shared and not np.array_equal(shared[init.name], value):
                         continue  # same name, other values: stays inside this graph
                     shared.setdefault(init.name, value)
-                models.setdefault(entry.weights, []).append((path, q))
+                    external.add(init.name)
+                    _drop_data(init)  # the bytes live in `shared` now
+                models.setdefault(entry.weights, []).append((path, _reparsed(q), external))
         for weights, graphs in models.items():
             refs = write_weights(os.path.join(bundle, weights), sorted(stored[weights].items()))
             write_index(os.path.join(bundle, weights_index_file(weights)), refs)
-            for path, q in graphs:
-                _point_at(q, refs, stored[weights], weights)
+            for path, q, external in graphs:
+                _point_at(q, refs, external, weights)
                 onnx.save(q, path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -402,26 +409,39 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
             "method": "minmax", "samples": sum(per_graph.values()), "samples_per_graph": per_graph}
 
 
-def _point_at(model, refs, values: dict[str, np.ndarray], weights_file: str) -> None:
-    """Make the model's shared initializers external data entries into `weights_file` (in place).
+def _reparsed(model):
+    """`model` parsed again from its bytes: a parsed message keeps its whole allocation while it lives, whatever
+    fields are cleared, so each quantized SmolLM2 graph held on to its 190 MB of weights (16 graphs: +3 GB)."""
+    import onnx
+
+    light = onnx.ModelProto()
+    light.ParseFromString(model.SerializeToString())
+    return light
+
+
+def _drop_data(init) -> None:
+    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        init.ClearField(field)
+
+
+def _point_at(model, refs, external: set[str], weights_file: str) -> None:
+    """Make the model's shared initializers (`external`, their data already dropped) external data entries into
+    `weights_file` (in place).
 
     A runtime hands every tensor of the weights file to every session by name (AddInitializer), and that
     replaces a graph's own initializer of the same name. Graph constants are named per graph (const_16 of a
     one-token step is not const_16 of a prefill), so an initializer that kept its own value under a name the
     weights file also uses is renamed here, or the session would compute with the other graph's tensor."""
-    from onnx import TensorProto, numpy_helper
+    from onnx import TensorProto
 
     renamed = {}
     for init in model.graph.initializer:
-        ref = refs.get(init.name)
-        if ref is not None and not np.array_equal(numpy_helper.to_array(init), values[init.name]):
+        if init.name not in refs:
+            continue
+        if init.name not in external:
             renamed[init.name] = init.name = f"{init.name}.own"
             continue
-        if ref is None:
-            continue
-        init.ClearField("raw_data")
-        for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            init.ClearField(field)
+        ref = refs[init.name]
         init.data_location = TensorProto.EXTERNAL
         del init.external_data[:]
         for key, value in (("location", weights_file), ("offset", ref.offset), ("length", ref.length)):
