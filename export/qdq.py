@@ -432,7 +432,7 @@ def _point_at(model, refs, external: set[str], weights_file: str) -> None:
     replaces a graph's own initializer of the same name. Graph constants are named per graph (const_16 of a
     one-token step is not const_16 of a prefill), so an initializer that kept its own value under a name the
     weights file also uses is renamed here, or the session would compute with the other graph's tensor."""
-    from onnx import TensorProto
+    from ..graphs.external_data import point_at_file
 
     renamed = {}
     for init in model.graph.initializer:
@@ -441,12 +441,7 @@ def _point_at(model, refs, external: set[str], weights_file: str) -> None:
         if init.name not in external:
             renamed[init.name] = init.name = f"{init.name}.own"
             continue
-        ref = refs[init.name]
-        init.data_location = TensorProto.EXTERNAL
-        del init.external_data[:]
-        for key, value in (("location", weights_file), ("offset", ref.offset), ("length", ref.length)):
-            e = init.external_data.add()
-            e.key, e.value = key, str(value)
+        point_at_file(init, weights_file, refs[init.name].offset, refs[init.name].length)
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             if name in renamed:

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .contract import OPSET, TensorSpec
+from .external_data import point_at_file
 from .manifest import WeightRef
 
 ONNX_DTYPE = {
@@ -60,11 +61,7 @@ class GraphBuilder:
         if name not in self._declared:
             ref = self._weights[name]
             t = TensorProto(name=name, data_type=ONNX_DTYPE[ref.dtype], dims=list(ref.shape))
-            t.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", self._weights_file), ("offset", ref.offset), ("length", ref.length)):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, str(value)
-            self.initializers.append(t)
+            self.initializers.append(point_at_file(t, self._weights_file, ref.offset, ref.length))
             self._declared.add(name)
         return name
 

@@ -15,6 +15,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
 
+from specedge.graphs.external_data import point_at_file  # noqa: E402
 from specedge.runtime.backends import ort_capi as oc  # noqa: E402
 
 if not oc.available():
@@ -69,11 +70,7 @@ def _write_weights(path: str, w: dict[str, np.ndarray]) -> dict[str, tuple[int, 
 
 def _initializer(name: str, arr: np.ndarray, location: str, offset: int, length: int) -> TensorProto:
     t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype), dims=arr.shape)
-    t.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = t.external_data.add()
-        entry.key, entry.value = key, value
-    return t
+    return point_at_file(t, location, offset, length)
 
 
 def _step_model(path: str, T, w: dict[str, np.ndarray], where: dict, location: str) -> None:

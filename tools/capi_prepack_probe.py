@@ -44,6 +44,8 @@ def build(d: str, layers: int, dm: int, ff: int, ms: list[int]) -> None:
     import onnx
     from onnx import TensorProto, helper
 
+    from specedge.graphs.external_data import point_at_file
+
     rng = np.random.default_rng(0)
     shapes = {n: ((dm, ff) if n.endswith("up") else (ff, dm)) for n in _names(layers)}
     offsets, offset = {}, 0
@@ -60,12 +62,8 @@ def build(d: str, layers: int, dm: int, ff: int, ms: list[int]) -> None:
     for location, suffix in (("weights.bin", ""), ("decoy.bin", "_decoy")):
         inits = []
         for n, shape in shapes.items():
-            t = TensorProto(name=n, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
-            length = 4 * shape[0] * shape[1]
-            for key, value in (("location", location), ("offset", str(offsets[n])), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, value
-            inits.append(t)
+            t = TensorProto(name=n, data_type=TensorProto.FLOAT, dims=shape)
+            inits.append(point_at_file(t, location, offsets[n], 4 * shape[0] * shape[1]))
         for m in ms:
             x, nodes = "x", []
             for i in range(layers):

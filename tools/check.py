@@ -83,6 +83,8 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
     """qdq: the qnn-qdq16 flavour (export/qdq.py), whose weight products read int8 DequantizeLinear weights."""
     import onnx
 
+    from ..graphs.external_data import file_pointer
+
     path = os.path.join(bundle, graph.file)
     label = f"{graph.file} ({name}, {graph.role}, T={graph.tokens}, S={graph.context})"
     if not os.path.isfile(path):
@@ -120,13 +122,13 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
             if init.name in index:  # a runtime hands the weights file's tensors to every session by name
                 bad.append(f"{init.name} is embedded, but the weights file's {init.name} would replace it")
             continue
-        info = {e.key: e.value for e in init.external_data}
+        location, offset, length = file_pointer(init)
         ref = index.get(init.name)
-        if info.get("location") != model.weights:
-            bad.append(f"{init.name} points at {info.get('location')}, not {model.weights}")
+        if location != model.weights:
+            bad.append(f"{init.name} points at {location}, not {model.weights}")
         elif ref is None:
             bad.append(f"{init.name} is not in the weights index")
-        elif (int(info.get("offset", 0)), int(info.get("length", -1))) != (ref.offset, ref.length) or \
+        elif (offset, length) != (ref.offset, ref.length) or \
                 tuple(init.dims) != ref.shape or _ONNX_TO_NP.get(init.data_type) != ref.dtype:
             bad.append(f"{init.name} disagrees with the weights index")
     report.add(not bad, f"{label}: weights point into {model.weights} as indexed" if not bad

@@ -97,6 +97,8 @@ class OptimizedGraphs:
         import onnxruntime as ort
         from onnx import TensorProto
 
+        from ...graphs.external_data import file_pointer, point_at_file
+
         with tempfile.TemporaryDirectory(dir=os.path.dirname(out), prefix=".tmp-") as tmp:
             so = ort.SessionOptions()
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -116,8 +118,7 @@ class OptimizedGraphs:
             for t in model.graph.initializer:
                 if t.data_location != TensorProto.EXTERNAL:
                     continue
-                where = {e.key: e.value for e in t.external_data}
-                offset, length = int(where.get("offset", 0)), int(where["length"])
+                _, offset, length = file_pointer(t)
                 blob = data[offset:offset + length]
                 digest = hashlib.sha256(blob + bytes(str((t.data_type, list(t.dims))), "ascii")).hexdigest()[:32]
                 name = f"t-{digest}.bin"
@@ -126,10 +127,7 @@ class OptimizedGraphs:
                 target = os.path.join(os.path.dirname(out), name)
                 if not os.path.isfile(target) or os.path.getsize(target) != length:
                     _atomic_write(target, blob)
-                del t.external_data[:]
-                for key, value in (("location", name), ("offset", "0"), ("length", str(length))):
-                    entry = t.external_data.add()
-                    entry.key, entry.value = key, value
+                point_at_file(t, name, 0, length)
             for node in model.graph.node:
                 for i, name in enumerate(node.input):
                     if name in renamed:
@@ -141,13 +139,15 @@ def _tensors(graph_path: str) -> dict[str, np.ndarray]:
     import onnx
     from onnx import TensorProto
 
+    from ...graphs.external_data import file_pointer
+
     model = onnx.load(graph_path, load_external_data=False)
     d = os.path.dirname(graph_path)
     out = {}
     for t in model.graph.initializer:
         if t.data_location != TensorProto.EXTERNAL or t.data_type not in _NUMPY:
             continue
-        where = {e.key: e.value for e in t.external_data}
-        out[t.name] = np.memmap(os.path.join(d, where["location"]), dtype=_NUMPY[t.data_type], mode="r",
+        location, _, _ = file_pointer(t)
+        out[t.name] = np.memmap(os.path.join(d, location), dtype=_NUMPY[t.data_type], mode="r",
                                 shape=tuple(t.dims) if t.dims else ())
     return out
