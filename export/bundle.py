@@ -46,6 +46,7 @@ class ExportOptions:
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
     calibration_prompts: str | None = None  # qnn-qdq16: JSONL prompts to calibrate on (default: the prompt suite)
     calibration_count: int | None = None  # qnn-qdq16: how many of them (default export.qdq.DEFAULT_COUNT)
+    jobs: int | None = None  # qnn-qdq16: graphs quantized at once in worker processes (default: qdq.default_jobs)
     extra: dict = field(default_factory=dict)
 
     def quant_spec(self) -> QuantSpec | None:
@@ -70,6 +71,8 @@ class ExportOptions:
                                   "runs chains only")
             if self.calibration_count is not None and self.calibration_count < 1:
                 raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
+        if self.jobs is not None and self.jobs < 1:
+            raise ExportError(f"--jobs must be at least 1, not {self.jobs}")
         if self.dtype not in C.DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(C.DTYPES)}, not {self.dtype}")
         if self.quant_spec() is not None and self.dtype != "float32":
@@ -291,7 +294,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                                       + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
                                       + (rows if draft else 0))
     qdq = opts.flavour == "qnn-qdq16"
-    bar = Progress(n_weights + n_graphs * (2 if qdq else 1), "export", "step", progress)
+    bar = Progress(n_weights + n_graphs * (3 if qdq else 1), "export", "step", progress)  # qdq: calibrate, quantize
     started = time.time()
     try:
         models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar)}
@@ -332,7 +335,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             manifest.save(tmp)
             calibration = Calibration(**{k: v for k, v in (("prompts", opts.calibration_prompts),
                                                            ("count", opts.calibration_count)) if v is not None})
-            manifest.export["qnn"] = flavour_record(opts, quantize_bundle(tmp, manifest, calibration, bar))
+            manifest.export["qnn"] = flavour_record(opts, quantize_bundle(tmp, manifest, calibration, bar,
+                                                                                 opts.jobs))
         manifest.export["seconds"] = round(time.time() - started, 1)
         manifest.save(tmp)
         bar.close()

@@ -17,7 +17,8 @@ One job: calibrate and quantize the float32 step graphs that export_bundle has j
 * onnxruntime.quantization (get_qnn_qdq_config + quantize_static, MinMax) writes QDQ graphs: uint16 activations,
   int8 symmetric weights (per output channel for every MatMul weight). The graph I/O stays float32 / int64
   (QuantizeLinear after each input, DequantizeLinear before each output): the contract and the runtime's
-  buffers do not change.
+  buffers do not change. The quantizer is single-threaded Python, so graphs are quantized in parallel worker
+  processes (export/qdq_worker.py); the result does not depend on how many.
 * Range outliers: the additive attention mask shares its quantization scale with the masked scores (one Add),
   so the float graphs of this flavour are built with a mask of MASK_VALUE instead of the dtype's minimum (see
   graphs/llama.py). Softmax turns a hidden slot's score - |MASK_VALUE| into exp(-|MASK_VALUE| + ...) ~ 0.
@@ -48,6 +49,9 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 DEFAULT_COUNT = 4  # prompts used for calibration
 SAMPLES_PER_GRAPH = 24  # calibration feeds per graph (more only cost time: MinMax ranges settle quickly)
 _STORE_MIN = 1024  # initializers with at least this many elements go to the shared weights file
+MAX_JOBS = 4  # default_jobs' ceiling
+WORKER_PEAK = 3.5  # a quantizing worker's peak RSS / its model's float weights file (measured on SmolLM2: 3.4)
+QUANTIZED = "q.onnx"  # what quantize_graph writes into its folder
 
 
 @dataclass
@@ -295,11 +299,6 @@ def _calibrate(path: str, feeds: list[dict]) -> dict[str, tuple[float, float]]:
     return {t: (lo[t], hi[t]) for t in tensors if lo[t] <= hi[t]}
 
 
-def _clear(scratch: str) -> None:
-    for name in os.listdir(scratch):
-        os.remove(os.path.join(scratch, name))
-
-
 def float_nodes(model) -> list[str]:
     """The nodes this flavour leaves in float: the residual stream's adds and the RMSNorm statistics
     (graphs/llama.py labels them). Measured on SmolLM2 (teacher-forced, 32 tokens, CPU onnxruntime running
@@ -310,8 +309,10 @@ def float_nodes(model) -> list[str]:
     return [n.name for n in model.graph.node if n.name.endswith((f"_{NORM}", f"_{RESIDUAL}"))]
 
 
-def _quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: str):
-    """The QDQ model of one float32 graph from tensor ranges, as an in-memory ModelProto."""
+def quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: str) -> str:
+    """Write the QDQ model of one float32 graph from tensor ranges into the empty folder `scratch`
+    (QUANTIZED, with its weights as external data) and return its path. Runs in a worker process
+    (export/qdq_worker.py)."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_static
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData, save_tensors_data
@@ -338,20 +339,94 @@ def _quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: 
                                 init_overrides=overrides)
     exclude = float_nodes(model)
     del model, inits  # onnx.save moved the weights out, but the parsed message holds their 538 MB until freed
-    out = os.path.join(scratch, "q.onnx")
+    out = os.path.join(scratch, QUANTIZED)
     quantize_static(float_path, out, None, calibration_cache_path=cache, quant_format=config.quant_format,
                     activation_type=config.activation_type, weight_type=config.weight_type,
                     op_types_to_quantize=config.op_types_to_quantize, per_channel=config.per_channel,
                     nodes_to_exclude=exclude, use_external_data_format=True,
                     extra_options=config.extra_options)
-    quantized = onnx.load(out)
-    _clear(scratch)
-    return quantized
+    for name in ("float.onnx", "float.data", "ranges.json"):  # float.data: a copy of the weights, not kept
+        if os.path.exists(os.path.join(scratch, name)):
+            os.remove(os.path.join(scratch, name))
+    return out
 
 
-def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=None) -> dict:
+def default_jobs(weights_bytes: int) -> int:
+    """Worker processes for quantize_bundle: one per core, at most MAX_JOBS, and no more than the available
+    memory holds. A worker peaks at about WORKER_PEAK times its model's float weights (SmolLM2, 538 MB: 1.8 GB;
+    onnxruntime's quantizer holds the float model, the quantized one and its own copies)."""
+    cores = os.cpu_count() or 1
+    available = _available_memory()
+    by_memory = int(available // (WORKER_PEAK * max(weights_bytes, 1))) if available else cores
+    return max(1, min(MAX_JOBS, cores, by_memory))
+
+
+def _available_memory() -> int | None:
+    """Bytes the kernel can give without swapping (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _quantize_in_workers(paths: list[str], ranges_file: str, scratch: str, jobs: int, consume) -> None:
+    """quantize_graph for every path in `jobs` child processes (worker k takes paths k, k + jobs, ...);
+    `consume(path, model)` gets the results in the order of `paths`.
+
+    onnxruntime's quantizer is pure Python and single-threaded (most of its time goes to scanning the node list
+    once per quantized tensor), so graphs quantize in parallel in separate processes. The workers are plain
+    `python -m` children rather than multiprocessing's, which would import the caller's __main__ again: an
+    embedding script without a main guard would run twice. A worker reports each graph done with a marker file
+    (export/qdq_worker.py)."""
+    import subprocess
+    import sys
+    import time
+
+    import onnx
+
+    from .qdq_worker import DONE
+
+    jobs = min(jobs, len(paths))
+    folders = [os.path.join(scratch, f"graph{i}") for i in range(len(paths))]
+    workers = []  # (process, log file)
+    try:
+        for k in range(jobs):
+            args = []
+            for i in range(k, len(paths), jobs):
+                os.makedirs(folders[i])
+                args += [paths[i], folders[i]]
+            log = open(os.path.join(scratch, f"worker{k}.log"), "w+")
+            workers.append((subprocess.Popen([sys.executable, "-m", "specedge.export.qdq_worker", ranges_file, *args],
+                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT), log))
+        for i, path in enumerate(paths):
+            proc, log = workers[i % jobs]
+            while not os.path.exists(os.path.join(folders[i], DONE)):
+                rc = proc.poll()
+                if rc is not None and not os.path.exists(os.path.join(folders[i], DONE)):
+                    log.seek(0)
+                    lines = log.read().strip().splitlines()
+                    why = (f"killed by signal {-rc} (out of memory? export with fewer --jobs)" if rc < 0 else
+                           lines[-1] if lines else f"exit status {rc}")
+                    raise ExportError(f"quantizing {os.path.basename(path)} failed: {why}")
+                time.sleep(0.05)
+            model = onnx.load(os.path.join(folders[i], QUANTIZED))
+            shutil.rmtree(folders[i])
+            consume(path, model)
+    finally:
+        for proc, log in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+
+
+def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=None, jobs: int | None = None) -> dict:
     """Replace the float32 graphs and weights of `bundle` (written by export_bundle) with QDQ ones; returns the
-    calibration record for the manifest."""
+    calibration record for the manifest. `jobs`: graphs quantized at once, in worker processes (default_jobs)."""
     import onnx
     from onnx import numpy_helper
 
@@ -363,29 +438,32 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
     prompts = load_prompt_ids(calibration.prompts, tokenizer, calibration.count)
     recorded = record_feeds(bundle, manifest, prompts)
     per_graph = {}
+    model_ranges: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, entry in manifest.models.items():
+        # One range per tensor name over all graphs of the model: their step graphs have the same nodes under
+        # the same names (build_step_graph same_ops), so a verify row is quantized exactly like a decode step.
+        ranges = model_ranges[name] = {}
+        for graph in entry.graphs:
+            feeds = _graph_feeds(graph, entry.dims, recorded, entry.graphs, calibration.samples_per_graph)
+            if not feeds:
+                raise ExportError(f"no calibration data reached {graph.file}: the calibration prompts are too "
+                                  f"short for its {graph.tokens}-token steps; use longer prompts")
+            per_graph[graph.file] = len(feeds)
+            for t, (lo, hi) in _calibrate(os.path.join(bundle, graph.file), feeds).items():
+                old = ranges.get(t, (lo, hi))
+                ranges[t] = (min(old[0], lo), max(old[1], hi))
+            if progress:
+                progress.update(graph.file)
+    recorded = feeds = None  # the recorded feeds (every sample's past K/V) would sit idle next to the workers
+
     stored: dict[str, dict[str, np.ndarray]] = {}  # weights file -> shared initializers
     models: dict[str, list] = {}  # weights file -> [(graph path, quantized model)]
     scratch = tempfile.mkdtemp(prefix=".qdq-", dir=bundle)
     try:
         for name, entry in manifest.models.items():
-            # One range per tensor name over all graphs of the model: their step graphs have the same nodes under
-            # the same names (build_step_graph same_ops), so a verify row is quantized exactly like a decode step.
-            ranges: dict[str, tuple[float, float]] = {}
-            for graph in entry.graphs:
-                feeds = _graph_feeds(graph, entry.dims, recorded, entry.graphs, calibration.samples_per_graph)
-                if not feeds:
-                    raise ExportError(f"no calibration data reached {graph.file}: the calibration prompts are too "
-                                      f"short for its {graph.tokens}-token steps; use longer prompts")
-                per_graph[graph.file] = len(feeds)
-                for t, (lo, hi) in _calibrate(os.path.join(bundle, graph.file), feeds).items():
-                    old = ranges.get(t, (lo, hi))
-                    ranges[t] = (min(old[0], lo), max(old[1], hi))
-                if progress:
-                    progress.update(graph.file)
-            for graph in entry.graphs:
-                path = os.path.join(bundle, graph.file)
-                q = _quantize_graph(path, ranges, scratch)
-                shared = stored.setdefault(entry.weights, {})
+            shared = stored.setdefault(entry.weights, {})
+
+            def keep(path, q, weights=entry.weights, shared=shared):
                 external = set()
                 for init in q.graph.initializer:
                     if int(np.prod(init.dims)) < _STORE_MIN:
@@ -396,7 +474,15 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
                     shared.setdefault(init.name, value)
                     external.add(init.name)
                     _drop_data(init)  # the bytes live in `shared` now
-                models.setdefault(entry.weights, []).append((path, _reparsed(q), external))
+                models.setdefault(weights, []).append((path, _reparsed(q), external))
+                if progress:
+                    progress.update(os.path.basename(path))
+
+            ranges_file = os.path.join(scratch, f"{name}.ranges.json")
+            with open(ranges_file, "w") as f:
+                json.dump(model_ranges[name], f)
+            _quantize_in_workers([os.path.join(bundle, g.file) for g in entry.graphs], ranges_file, scratch,
+                                 jobs or default_jobs(os.path.getsize(os.path.join(bundle, entry.weights))), keep)
         for weights, graphs in models.items():
             refs = write_weights(os.path.join(bundle, weights), sorted(stored[weights].items()))
             write_index(os.path.join(bundle, weights_index_file(weights)), refs)

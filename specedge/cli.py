@@ -52,6 +52,10 @@ def _add_export(sub) -> None:
                    "weights, cache and activations; implies --dtype float16). qnn-qdq16: QDQ graphs for the HTP, "
                    "uint16 activations and int8 weights, calibrated on the prompt suite (float32 I/O). Default any: "
                    "the portable graphs")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="qnn-qdq16: graphs quantized at once, each in its own process (about 3.5x the float weights "
+                   "file: 1.8 GB for SmolLM2; default: one per core, at most 4 and as many as the available memory "
+                   "holds)")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
@@ -82,7 +86,7 @@ def _run_export(a) -> int:
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
                          step_mask=a.step_mask, tree_sizes=tuple(a.tree), quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
-                         quant_scheme=a.quant_scheme,
+                         quant_scheme=a.quant_scheme, jobs=a.jobs,
                          flavour={"qnn": "qnn-fp16", "qnn-qdq16": "qnn-qdq16"}.get(a.for_runtime, "portable"))
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())

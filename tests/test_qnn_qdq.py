@@ -182,12 +182,64 @@ def test_bad_flavour_options_are_one_line_and_leave_nothing(tiny_models, tmp_pat
     assert "--for qnn-qdq16" in err and "--quant int4" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
+    assert main(["export", "--target", tiny_models["llama"][0], "--out", str(out), "--for", "qnn-qdq16",
+                 "--jobs", "0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs must be at least 1" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(tmp_path) == []
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(Exception, match="cannot read the calibration prompts"):
         export_bundle(tiny_models["llama"][0], str(out), ExportOptions(context=128, prefill_chunk=CHUNK,
                                                                        flavour="qnn-qdq16", calibration_prompts=missing),
                       progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_one_worker_or_several_write_the_same_bundle(qdq_bundle, tiny_models, calibration_ids, tmp_path):
+    """Graphs are quantized in worker processes, several at once (qdq_bundle: the default, one per core); their
+    results are taken in the graphs' order, so the bundle does not depend on how many ran or which finished
+    first: every graph and weights file is byte for byte the same with one worker and with three."""
+    out = str(tmp_path / "one_worker")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                             flavour="qnn-qdq16", calibration_prompts=calibration_ids,
+                                                             jobs=1), progress=False)
+    three = str(tmp_path / "three_workers")
+    export_bundle(tiny_models["llama"][0], three, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                               flavour="qnn-qdq16", calibration_prompts=calibration_ids,
+                                                               jobs=3), progress=False)
+    files = sorted(f for f in os.listdir(qdq_bundle) if f != "manifest.json" and not f.startswith("tokenizer"))
+    assert any(f.endswith(".onnx") for f in files) and any(not f.endswith(".onnx") for f in files)
+    for bundle in (out, three):
+        assert sorted(f for f in os.listdir(bundle) if f != "manifest.json" and not f.startswith("tokenizer")) == files
+        for f in files:
+            with open(os.path.join(qdq_bundle, f), "rb") as a, open(os.path.join(bundle, f), "rb") as b:
+                assert a.read() == b.read(), f
+
+
+def test_a_failing_worker_is_one_clear_error(tmp_path):
+    """A worker that fails (here: a graph file that is not there) ends the export with one ExportError naming
+    the graph and the worker's own last line, and no worker is left running: its sibling, which reads a FIFO
+    that nobody writes and so never finishes, is stopped (Linux: /proc lists a process's children)."""
+    from specedge.errors import ExportError
+    from specedge.export.qdq import _quantize_in_workers
+
+    ranges = tmp_path / "ranges.json"
+    ranges.write_text("{}")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    endless = str(tmp_path / "endless.onnx")
+    os.mkfifo(endless)
+    got = []
+
+    def children():
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+            return set(f.read().split())
+
+    before = children()
+    with pytest.raises(ExportError, match=r"quantizing missing\.onnx failed: .*missing\.onnx"):
+        _quantize_in_workers([str(tmp_path / "missing.onnx"), endless, endless], str(ranges), str(scratch), 2,
+                             lambda path, model: got.append(path))
+    assert got == [] and children() == before
 
 
 def test_check_passes_and_no_graph_constant_is_shadowed_by_the_weights_file(qdq_bundle, tmp_path):
@@ -263,7 +315,7 @@ def test_a_product_of_two_activations_is_exact_enough_on_the_htp(tmp_path):
     flavour's own code, then agrees with float on the HTP within 0.1% (as uint16 with its zero point: 6.7%)."""
     from onnx import TensorProto, helper
 
-    from specedge.export.qdq import _quantize_graph
+    from specedge.export.qdq import quantize_graph
     from specedge.runtime.backends.qnn import QnnBackend, QnnOptions
 
     rng = np.random.default_rng(0)
@@ -282,7 +334,7 @@ def test_a_product_of_two_activations_is_exact_enough_on_the_htp(tmp_path):
     ranges = {"probs": (0.0, 1.0), "values": (-10.0, 7.27), "out": (float(want.min()), float(want.max()))}
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    quantized = _quantize_graph(path, ranges, str(scratch)).SerializeToString()
+    quantized = onnx.load(quantize_graph(path, ranges, str(scratch))).SerializeToString()
 
     import onnxruntime as ort
     backend = QnnBackend(None, QnnOptions(soc_model="60"))
