@@ -50,7 +50,7 @@ DEFAULT_COUNT = 4  # prompts used for calibration
 SAMPLES_PER_GRAPH = 24  # calibration feeds per graph (more only cost time: MinMax ranges settle quickly)
 _STORE_MIN = 1024  # initializers with at least this many elements go to the shared weights file
 MAX_JOBS = 4  # default_jobs' ceiling
-WORKER_PEAK = 3.5  # a quantizing worker's peak RSS / its model's float weights file (measured on SmolLM2: 3.4)
+WORKER_PEAK = 2.2  # a quantizing worker's peak RSS / its model's float weights file (measured on SmolLM2: 2.0)
 QUANTIZED = "q.onnx"  # what quantize_graph writes into its folder
 
 
@@ -319,9 +319,9 @@ def quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: s
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # its "consider pre-processing"
-    model = onnx.load(path)  # with its external weights
-    float_path = os.path.join(scratch, "float.onnx")
-    onnx.save(model, float_path, save_as_external_data=True, location="float.data")  # (model keeps no data now)
+    # The graph's structure only: quantize_static reads the weights itself, from the bundle's weights file. (A
+    # copy loaded here, even freed before it runs, stayed in the process's heap: SmolLM2's peak was 1.87 GB, now 1.28.)
+    model = onnx.load(path, load_external_data=False)
     names = {o for n in model.graph.node for o in n.output} | {i.name for i in model.graph.input}
     data = TensorsData(CalibrationMethod.MinMax, {
         n: TensorData(lowest=np.array(lo, np.float32), highest=np.array(hi, np.float32))
@@ -338,23 +338,20 @@ def quantize_graph(path: str, ranges: dict[str, tuple[float, float]], scratch: s
     config = get_qnn_qdq_config(model, None, activation_type=QuantType.QUInt16, weight_type=QuantType.QInt8,
                                 init_overrides=overrides)
     exclude = float_nodes(model)
-    del model, inits  # onnx.save moved the weights out, but the parsed message holds their 538 MB until freed
     out = os.path.join(scratch, QUANTIZED)
-    quantize_static(float_path, out, None, calibration_cache_path=cache, quant_format=config.quant_format,
+    quantize_static(path, out, None, calibration_cache_path=cache, quant_format=config.quant_format,
                     activation_type=config.activation_type, weight_type=config.weight_type,
                     op_types_to_quantize=config.op_types_to_quantize, per_channel=config.per_channel,
                     nodes_to_exclude=exclude, use_external_data_format=True,
                     extra_options=config.extra_options)
-    for name in ("float.onnx", "float.data", "ranges.json"):  # float.data: a copy of the weights, not kept
-        if os.path.exists(os.path.join(scratch, name)):
-            os.remove(os.path.join(scratch, name))
+    os.remove(cache)
     return out
 
 
 def default_jobs(weights_bytes: int) -> int:
     """Worker processes for quantize_bundle: one per core, at most MAX_JOBS, and no more than the available
-    memory holds. A worker peaks at about WORKER_PEAK times its model's float weights (SmolLM2, 538 MB: 1.8 GB;
-    onnxruntime's quantizer holds the float model, the quantized one and its own copies)."""
+    memory holds. A worker peaks at about WORKER_PEAK times its model's float weights file (SmolLM2, 651 MB:
+    1.33 GB; onnxruntime's quantizer holds the float model, the quantized one and its own copies)."""
     cores = os.cpu_count() or 1
     available = _available_memory()
     by_memory = int(available // (WORKER_PEAK * max(weights_bytes, 1))) if available else cores
@@ -388,6 +385,7 @@ def _quantize_in_workers(paths: list[str], ranges_file: str, scratch: str, jobs:
 
     import onnx
 
+    from ..runtime.backends import trim_heap
     from .qdq_worker import DONE
 
     jobs = min(jobs, len(paths))
@@ -413,9 +411,9 @@ def _quantize_in_workers(paths: list[str], ranges_file: str, scratch: str, jobs:
                            lines[-1] if lines else f"exit status {rc}")
                     raise ExportError(f"quantizing {os.path.basename(path)} failed: {why}")
                 time.sleep(0.05)
-            model = onnx.load(os.path.join(folders[i], QUANTIZED))
+            consume(path, onnx.load(os.path.join(folders[i], QUANTIZED)))
             shutil.rmtree(folders[i])
-            consume(path, model)
+            trim_heap()  # the loaded graph's weights, freed: glibc would keep their pages (SmolLM2: ~190 MB)
     finally:
         for proc, log in workers:
             if proc.poll() is None:
@@ -431,6 +429,7 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
     from onnx import numpy_helper
 
     from ..graphs.manifest import weights_index_file, write_index
+    from ..runtime.backends import trim_heap
     from ..runtime.tokenizer import Tokenizer
     from .weights import write_weights
 
@@ -455,6 +454,7 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
             if progress:
                 progress.update(graph.file)
     recorded = feeds = None  # the recorded feeds (every sample's past K/V) would sit idle next to the workers
+    trim_heap()  # and glibc would keep their pages and the calibration sessions' (SmolLM2: 760 -> 400 MB RSS)
 
     stored: dict[str, dict[str, np.ndarray]] = {}  # weights file -> shared initializers
     models: dict[str, list] = {}  # weights file -> [(graph path, quantized model)]
