@@ -71,6 +71,10 @@ class ExportOptions:
                                   "runs chains only")
             if self.calibration_count is not None and self.calibration_count < 1:
                 raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
+        elif self.jobs is not None or self.calibration_prompts is not None or self.calibration_count is not None:
+            # only the qdq16 flavour calibrates and quantizes; the others write their graphs in seconds
+            raise ExportError(f"--jobs and the calibration settings apply only to --for qnn-qdq16, which calibrates "
+                              f"and quantizes in worker processes; this export is the {self.flavour} flavour")
         if self.jobs is not None and self.jobs < 1:
             raise ExportError(f"--jobs must be at least 1, not {self.jobs}")
         if self.dtype not in C.DTYPES:

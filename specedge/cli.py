@@ -53,9 +53,9 @@ def _add_export(sub) -> None:
                    "uint16 activations and int8 weights, calibrated on the prompt suite (float32 I/O). Default any: "
                    "the portable graphs")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="qnn-qdq16: graphs quantized at once, each in its own process (about 3.5x the float weights "
-                   "file: 1.8 GB for SmolLM2; default: one per core, at most 4 and as many as the available memory "
-                   "holds)")
+                   help="qnn-qdq16 only: graphs quantized at once, each in its own process (about 2.2x the float "
+                   "weights file: 1.3 GB for SmolLM2; default: one per core, at most 4 and as many as the "
+                   "available memory holds)")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
