@@ -353,3 +353,27 @@ def test_a_product_of_two_activations_is_exact_enough_on_the_htp(tmp_path):
         return float(np.linalg.norm(x - want) / np.linalg.norm(want))
 
     assert rel(on_cpu) < 0.01 and rel(on_htp) < 0.01, (rel(on_cpu), rel(on_htp))
+
+
+def test_weight_scales_follow_onnxruntimes_per_channel_rule():
+    """The scales the export hands onnxruntime's quantizer (all channels at once) are the ones it computes itself
+    one channel at a time (compute_data_quant_params, symmetric int8, the QNN config's MinimumRealRange): so the
+    graphs are what its own per-channel quantization writes. Columns: random, all negative, all zero, tiny,
+    all positive, constant."""
+    from onnx import TensorProto
+    from onnxruntime.quantization.quant_utils import compute_data_quant_params
+
+    from specedge.export.qdq import MIN_REAL_RANGE, weight_scales
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((64, 9)).astype(np.float32) * rng.uniform(1e-3, 3, 9).astype(np.float32)
+    weight[:, 1] = -np.abs(weight[:, 1])
+    weight[:, 2] = 0
+    weight[:, 3] *= np.float32(1e-7)
+    weight[:, 4] = np.abs(weight[:, 4]) + 1
+    weight[:, 5] = 1  # ranges include 0 before the minimum range applies
+    expected = [compute_data_quant_params(weight[:, j].copy(), TensorProto.INT8, True,
+                                          min_real_range=MIN_REAL_RANGE)[1] for j in range(weight.shape[1])]
+    got = weight_scales(weight)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array(expected, np.float32))
