@@ -54,7 +54,7 @@ def _add_export(sub) -> None:
                    "the portable graphs")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="qnn-qdq16 only: graphs quantized at once, each in its own process (about 2.2x the float "
-                   "weights file: 1.3 GB for SmolLM2; default: one per core, at most 4 and as many as the "
+                   "weights file: 1.4 GB for SmolLM2; default: one per core, at most 4 and as many as the "
                    "available memory holds)")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
