@@ -66,9 +66,6 @@ class ExportOptions:
             if self.dtype != "float32" or self.quant != "none":
                 raise ExportError("--for qnn-qdq16 quantizes float32 graphs itself (uint16 activations, int8 weights); "
                                   f"it takes neither --dtype float16 nor --quant: got --dtype {self.dtype} --quant {self.quant}")
-            if self.step_mask or self.tree_sizes:
-                raise ExportError("--for qnn-qdq16 does not export tree graphs (--tree, --step-mask) yet: calibration "
-                                  "runs chains only")
             if self.calibration_count is not None and self.calibration_count < 1:
                 raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
         elif self.jobs is not None or self.calibration_prompts is not None or self.calibration_count is not None:

@@ -139,7 +139,11 @@ def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, l
     Every (role, T) must also run early in the cache, where it fits the smallest bucket: a walk that starts
     with the largest prefill chunk reaches its steps only past 120 slots (64 + 32 + 16 + 8), beyond a 128-slot
     bucket and beyond a short prompt's end. So prompts alternate between that walk and the reverse one (the
-    smallest step first, the largest prefill last), and a single prompt walks both."""
+    smallest step first, the largest prefill last), and a single prompt walks both.
+
+    A tree graph (step_mask) runs in two kinds of turns: a chain (the causal mask, as the runtime runs chains in
+    it) and a token tree shaped like the runtime's proposals (runtime/tree.py: a spine plus leaves), whose spine
+    is the prompt's continuation and is committed, the leaves' entries discarded as a rejected branch's are."""
     from ..graphs.manifest import read_index, weights_index_file
     from ..runtime.backends.ort_python import OrtBackend
     from ..runtime.model import ModelRunner
@@ -152,7 +156,8 @@ def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, l
                                      read_index(os.path.join(bundle, weights_index_file(weights))))
         for name, entry in manifest.models.items():
             runner = ModelRunner(name, bundle, entry, _RecordingBackend(backend, samples))  # its own cache
-            turns = sorted({(g.role, g.tokens) for g in entry.graphs}, key=lambda rt: (rt[0] != C.PREFILL, -rt[1]))
+            turns = sorted({(g.role, g.tokens) for g in entry.graphs} | {(TREE, t) for t in entry.tree_tokens()},
+                           key=lambda rt: ((C.PREFILL, C.STEP, TREE).index(rt[0]), -rt[1]))
             walks = [(prompt, turns if i % 2 == 0 else turns[::-1]) for i, prompt in enumerate(prompts)]
             if len(prompts) == 1:
                 walks.append((prompts[0], turns[::-1]))
@@ -166,14 +171,33 @@ def record_feeds(bundle: str, manifest, prompts: list[list[int]]) -> dict[str, l
                             break
                         if role == C.PREFILL:
                             runner.prefill(prompt[pos:pos + T])
-                        else:
+                        elif role == C.STEP:
                             runner.run(prompt[pos:pos + T])
+                        else:
+                            T = _tree_turn(runner, prompt[pos:pos + T])
                         pos, turn = pos + T, turn + 1
             finally:
                 runner.close()
     finally:
         backend.close()
     return samples
+
+
+TREE = "tree"  # record_feeds' turn of a tree graph run with a token tree
+
+
+def _tree_turn(runner, tokens: list[int]) -> int:
+    """Verify tokens[0] (the root) and a spine-plus-leaves tree of the tokens after it, the spine being the
+    text's own continuation; commit the root and the spine, as an accepted path. Returns how many of the tokens
+    entered the cache."""
+    from ..runtime.tree import TreeLayout, spine_and_leaves, spine_length
+
+    parents = spine_and_leaves(len(tokens) - 1)
+    spine = spine_length(parents)
+    base = runner.cache.used
+    runner.run_tree(TreeLayout.build(tokens[0], tokens[1:], parents))
+    runner.commit_tree(base, list(range(spine)))
+    return 1 + spine
 
 
 def _graph_feeds(graph, dims: C.ModelDims, recorded: dict[str, list[dict]], model_graphs, limit: int) -> list[dict]:

@@ -420,13 +420,18 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     zero, minus = g.const(0.0, dt), g.const(neg, dt)
     slots = g.const(np.arange(S, dtype=np.int64).reshape(1, 1, S))
     length = g.op("Reshape", cache_len, g.ints(B, 1, 1))
-    if not multi or step_mask:
+    # A chain built with same_ops takes the tree graphs' route with a constant causal step mask: the same nodes
+    # under the same names as a tree graph of its T, so the QDQ flavour's one range per tensor name holds for
+    # tree rows too (a tree row then computes exactly like a decode step on the HTP).
+    scattered = step_mask or same_ops
+    if not multi or scattered:
         slot_ok = g.op("Less", slots, length)  # [B, 1, S]: the past only
     else:  # row i also sees the step's tokens 0..i-1 at slots cache_len .. cache_len+i-1
         slot_ok = g.op("Less", slots, g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, T, 1))))
     slot_mask = g.op("Expand", g.op("Where", slot_ok, zero, minus), g.ints(B, T, S))  # [B, T, S]
-    if step_mask:  # row i sees step token j != i iff step_mask[i, j], at slot cache_len + j
-        seen = g.op("And", g.input(specs[C.STEP_MASK]), g.const(~np.eye(T, dtype=bool)))
+    if scattered:  # row i sees step token j != i iff step_mask[i, j], at slot cache_len + j
+        visible = g.input(specs[C.STEP_MASK]) if step_mask else g.const(np.tril(np.ones((B, T, T), dtype=bool)))
+        seen = g.op("And", visible, g.const(~np.eye(T, dtype=bool)))
         at_slots = g.op("Expand", g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T))),
                         g.ints(B, T, T))
         slot_mask = g.op("ScatterElements", slot_mask, at_slots, g.op("Where", seen, zero, minus), axis=2)

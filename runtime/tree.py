@@ -47,6 +47,14 @@ def spine_length(parents: list[int]) -> int:
     return n
 
 
+def spine_and_leaves(nodes: int) -> list[int]:
+    """Parents of a spine-plus-leaves tree of `nodes` nodes, for graphs run without a proposer (calibration,
+    `specedge check`): the first half of the nodes (at least one) a spine, the rest leaves hanging off the root
+    and the spine nodes in turn."""
+    spine = min(nodes, max(1, nodes // 2))
+    return list(range(spine)) + [k % (spine + 1) for k in range(nodes - spine)]
+
+
 def spine_plus_leaves(parents: list[int]) -> bool:
     """Whether every node is on the first chain or is a leaf hanging off the root or the chain."""
     spine = spine_length(parents)

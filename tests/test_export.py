@@ -84,6 +84,31 @@ def test_check_compares_rows_with_the_masked_decode_graph_of_a_step_mask_bundle(
     assert f"target: exact rows: {len(multi_token)} graphs compute each row bit for bit" in r.stdout, r.stdout
 
 
+def test_check_runs_a_token_tree_through_each_tree_graph(tiny_models, tmp_path):
+    """check's exact rows also runs a spine-plus-leaves tree through a tree graph, row by row against decode
+    along its path: a graph that ignores its step_mask (sees the causal chain instead) passes the chain
+    comparison and fails this one."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    out = str(tmp_path / "trees")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, gammas=(4,),
+                                                              tree_sizes=(8,)), progress=False)
+    r = specedge("check", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "graphs compute each row bit for bit as decode does, 1 of them also a token tree's rows" in r.stdout
+    path = os.path.join(out, load_manifest(out).target.graph(C.STEP, 8, tree=True).file)
+    model = onnx.load(path, load_external_data=False)
+    reader = next(n for n in model.graph.node if C.STEP_MASK in n.input)
+    causal = onnx.numpy_helper.from_array(np.tril(np.ones((1, 8, 8), bool)), "causal_instead")
+    model.graph.initializer.append(causal)
+    reader.input[list(reader.input).index(C.STEP_MASK)] = causal.name
+    onnx.save(model, path)
+    r = specedge("check", out)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "target.tree8.s128.onnx differs from a tree of 8 rows (spine and leaves)" in r.stdout, r.stdout
+    assert "differs from 8 one-token steps" not in r.stdout
+
+
 def test_wide_steps_scatter_keys_and_narrow_steps_scatter_scores(tiny_bundle):
     """A step with T*rep > head_dim (prefill, and the tiny model's T=9 verify) scatters its keys into the past
     and scores all slots in one product; a narrower one scatters its scores; every T > 1 step scatters its

@@ -40,10 +40,12 @@ def qnn_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def qnn_fp16_bundle(tiny_models, tmp_path_factory):
-    """The tiny llama in the qnn-fp16 flavour (`specedge export --for qnn`), with a one-layer draft."""
+    """The tiny llama in the qnn-fp16 flavour (`specedge export --for qnn`), with a one-layer draft and a tree
+    graph (placement covers its step_mask nodes)."""
     out = str(tmp_path_factory.mktemp("bundles") / "tiny_qnn_fp16")
     export_bundle(tiny_models["llama"][0], out, ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
-                                                             dtype="float16", flavour="qnn-fp16"), progress=False)
+                                                             dtype="float16", flavour="qnn-fp16", tree_sizes=(8,)),
+                  progress=False)
     return out
 
 
@@ -149,9 +151,10 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(tiny_bundle, cpu_gen):
         gen.close()
 
 
-def assert_speculation_equals_plain_on_qnn(gen) -> list[list[int]]:
-    """ngram and the layer draft at gammas 2 and 4 equal plain greedy on QNN for three prompts, with drafts
-    proposed, accepted and rejected, and every graph fully on QNN; returns the plain outputs."""
+def assert_speculation_equals_plain_on_qnn(gen, trees: tuple[tuple[int, int], ...] = ()) -> list[list[int]]:
+    """ngram and the layer draft at gammas 2 and 4, and as token trees for each (tree T, gamma) of `trees`,
+    equal plain greedy on QNN for three prompts, with drafts proposed, accepted and rejected (and tree rounds
+    run), and every graph fully on QNN; returns the plain outputs."""
     prompts = [_prompt(s) for s in (1, 2)]
     plains = [gen.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
     # An echo prompt (a prompt, its greedy continuation, the prompt again) gives the layer draft text the
@@ -159,13 +162,15 @@ def assert_speculation_equals_plain_on_qnn(gen) -> list[list[int]]:
     prompts.append(prompts[0] + plains[0] + prompts[0])
     plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
     for proposer in ("ngram", "draft"):
-        for gamma in (2, 4):
-            proposed = accepted = 0
+        for tree, gamma in [(0, 2), (0, 4), *trees]:
+            proposed = accepted = tree_rounds = 0
             for p, want in zip(prompts, plains):
-                out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
-                assert out.tokens == want, (proposer, gamma)
+                out = gen.generate(p, NEW, proposer=proposer, gamma=gamma, tree=tree, stop_ids=[], adaptive=False)
+                assert out.tokens == want, (proposer, gamma, tree)
                 proposed, accepted = proposed + out.stats.proposed, accepted + out.stats.accepted
-            assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
+                tree_rounds += out.stats.tree_rounds
+            assert 0 < accepted < proposed, (proposer, gamma, tree, accepted, proposed)
+            assert (tree_rounds > 0) == (tree > 0), (proposer, gamma, tree, tree_rounds)
     assert {r.placement.get(EP, 0) > 0 and r.all_on_qnn for r in gen.backend.loads} == {True}
     return plains
 

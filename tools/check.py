@@ -6,7 +6,8 @@ opset; onnx.checker's full check passes; every initializer stored outside the gr
 model's weights file at the offset, length, dtype and shape of the weights index; and onnxruntime loads
 the graph and runs it once on zeros with outputs of the contract's shapes. Then, per model, the graphs'
 rows are checked for position consistency (tools/exact_rows.py): every T-token graph bitwise equal to T
-one-token steps, every bucket's one-token graph equal to the smallest bucket's.
+one-token steps (a tree graph also for a token tree's rows), every bucket's one-token graph equal to the
+smallest bucket's.
 
 With backend "qnn" the load-and-run check runs on onnxruntime's QNN execution provider (the HTP, or its x86
 emulator) with CPU fallback disabled, and reports per graph whether every node is placed on QNN, read from
@@ -251,8 +252,10 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
     inexact = [r for r in results if not r.exact]
     label = f"{name}: exact rows" + ("" if backend_name == "cpu" else f" on {backend_name}")
     if not inexact:
-        report.add(True, f"{label}: {len(results)} graphs compute each row bit for bit as decode does "
-                   f"({time.perf_counter() - started:.1f} s)")
+        trees = sum(r.tree for r in results)
+        report.add(True, f"{label}: {len({r.graph.file for r in results})} graphs compute each row bit for bit as "
+                   f"decode does" + (f", {trees} of them also a token tree's rows" if trees else "")
+                   + f" ({time.perf_counter() - started:.1f} s)")
     else:
         found = "; ".join(f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
         report.add(False, f"{label}: {found} (speculative output would not equal plain output)")

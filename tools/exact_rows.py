@@ -8,6 +8,8 @@ plain decode at a near tie, and "speculative output equals plain output" fails; 
 The check drives the graphs through the contract with the runtime's own backend, from a past of random K/V
 and random tokens: for every T > 1 graph, one T-token run against T one-token runs in the same bucket
 (logits and new K/V compared bitwise), and the one-token graph of every bucket against the smallest bucket.
+A tree graph (step_mask) also runs a spine-plus-leaves token tree, each row against one-token runs along its
+path from the root (the trees the runtime verifies; docs/bundle.md).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry, read_index, weights_index_file
+from ..runtime.tree import TreeLayout, spine_and_leaves
 
 
 @dataclass
@@ -25,6 +28,7 @@ class RowsResult:
     graph: GraphEntry
     reference: str  # what the graph's rows were compared with
     max_diff: float  # largest |difference| over logits and new K/V; 0.0 is the requirement
+    tree: bool = False  # the graph ran a token tree (step_mask), not a chain
 
     @property
     def exact(self) -> bool:
@@ -51,23 +55,27 @@ class GraphDriver:
         values[:, :, :, valid:] = -1e4
         return keys, values
 
-    def run(self, graph: GraphEntry, keys, values, tokens: np.ndarray, start: int, step_mask=None) -> dict:
+    def run(self, graph: GraphEntry, keys, values, tokens: np.ndarray, start: int,
+            tree: TreeLayout | None = None) -> dict:
         """One run of `graph` on tokens [B, T] at slots start.., writing the new K/V into keys/values. A row
-        graph (batch 1) runs on the first row only."""
+        graph (batch 1) runs on the first row only. A graph with step_mask runs a chain (the causal mask), or
+        `tree` (its T rows: positions start + depth, each row seeing its ancestors)."""
         d, T = self.model.graph_dims(graph), graph.tokens
         tokens, B = tokens[: d.batch], d.batch
         key = (graph.role, T, graph.context, graph.step_mask, graph.batch)
         if key not in self.sessions:
             self.sessions[key] = self.backend.load(os.path.join(self.bundle, graph.file), self.weights,
                                                    prepack=True, config=self.model.session_config)
+        depth = np.arange(T) if tree is None else tree.depth
         feeds = {C.INPUT_IDS: np.ascontiguousarray(tokens, dtype=np.int64),
-                 C.POSITION_IDS: np.broadcast_to(np.arange(start, start + T), (d.batch, T)).copy(),
+                 C.POSITION_IDS: np.broadcast_to(start + depth, (d.batch, T)).copy(),
                  C.CACHE_LEN: np.full(d.batch, start, np.int64)}
         for i in range(d.num_layers):
             feeds[C.past_key(i)] = np.ascontiguousarray(keys[i, :B])
             feeds[C.past_value(i)] = np.ascontiguousarray(values[i, :B])
         if graph.step_mask:
-            feeds[C.STEP_MASK] = np.broadcast_to(np.tril(np.ones((T, T), bool)), (d.batch, T, T)).copy()
+            sees = np.tril(np.ones((T, T), bool)) if tree is None else tree.sees
+            feeds[C.STEP_MASK] = np.broadcast_to(sees, (d.batch, T, T)).copy()
         outputs = {s.name: np.empty(s.shape, s.dtype) for s in C.step_outputs(d, T, graph.role)}
         session = self.sessions[key]
         session.bind(feeds, outputs)
@@ -97,6 +105,28 @@ def one_token_steps(model: ModelEntry) -> dict[int, GraphEntry]:
     return decode
 
 
+def _tree_rows(driver: GraphDriver, graph: GraphEntry, decode: GraphEntry, start: int) -> RowsResult:
+    """A tree graph's rows for a branching tree against one-token decode steps along each row's ancestors: row
+    i is computed at position start + depth(i) over the past and its ancestors' entries, which decode finds at
+    slots start .. start + depth(i) - 1."""
+    T, S = graph.tokens, graph.context
+    tokens = driver.rng.integers(0, driver.dims.vocab_size, T)
+    tree = TreeLayout.build(tokens[0], tokens[1:].tolist(), spine_and_leaves(T - 1))
+    keys, values = driver.fresh_cache(S, start)
+    past = keys.copy(), values.copy()
+    whole = driver.run(graph, keys, values, tokens[None], start, tree)
+    worst = 0.0
+    for i in range(T):
+        k1, v1 = past[0].copy(), past[1].copy()
+        path = np.flatnonzero(tree.sees[i])  # the root, the ancestors, the row itself: slot order is depth order
+        for j, node in enumerate(path):
+            out = driver.run(decode, k1, v1, tokens[None, node:node + 1], start + j)
+        row = {name: whole[name][:, i:i + 1] if name == C.LOGITS else whole[name][:, :, i:i + 1] for name in whole}
+        worst = max(worst, max_abs_diff(row, out))
+    return RowsResult(graph, f"a tree of {T} rows (spine and leaves) against one-token steps along each path, S={S}",
+                      worst, tree=True)
+
+
 def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> list[RowsResult]:
     """Every T > 1 graph against one-token steps in its bucket, and every bucket's one-token graph against
     the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
@@ -120,6 +150,8 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             stacked = {name: np.concatenate([r[name][:B] for r in rows], axis=2 if name != C.LOGITS else 1)
                        for name in whole}
             results.append(RowsResult(graph, f"{T} one-token steps, S={S}", max_abs_diff(whole, stacked)))
+            if graph.step_mask and d.batch == 1:
+                results.append(_tree_rows(driver, graph, decode[S], start))
         smallest = min(decode)
         start = smallest - 5
         tokens = driver.rng.integers(0, d.vocab_size, (d.batch, 1))
