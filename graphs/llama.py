@@ -296,9 +296,11 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 
 
 # -- the step graph -----------------------------------------------------------------------------------
-def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scaled: bool = False) -> str:
+def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scaled: bool = False,
+              shape: tuple[int, ...] | None = None) -> str:
+    """`shape`: x's shape (static), which the scaled norm needs."""
     if scaled:
-        return _scaled_rms_norm(g, x, weight, eps, dtype)
+        return _scaled_rms_norm(g, x, weight, eps, dtype, shape)
     # Pow -> ReduceMean -> Add -> Sqrt -> Div -> Mul: the pattern ORT fuses into one SimplifiedLayerNorm. The
     # statistics are labelled NORM (the qnn-qdq16 flavour keeps them in float, see export/qdq.py).
     square = g.op("Pow", x, g.const(2.0, dtype), label=NORM)
@@ -310,18 +312,23 @@ def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scal
     return g.op("Mul", g.op("Div", x, rms, label=NORM), weight)
 
 
-def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str) -> str:
+def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, shape: tuple[int, ...]) -> str:
     """RMSNorm that never squares a large number: x / (m * sqrt(mean((x/m)^2) + eps/m/m)) with m = max|x| per row,
     the same value in exact arithmetic. For fp16 compute (Qualcomm's HTP): real residual streams reach |x| ~ 2.5e4
     (SmolLM2), whose square overflows fp16 (max 65504) and turns the plain norm's output into zeros.
     Every division is by sqrt(m) or by sqrt(m) * rms, never by m: the HTP divides by multiplying with the
     reciprocal, and 1/m for m above 16384 is an fp16 subnormal, which it flushes to zero (SmolLM2's rows with the
-    massive activation came out as zeros); 1/sqrt(m) is a normal fp16 number for any finite m."""
+    massive activation came out as zeros); 1/sqrt(m) is a normal fp16 number for any finite m.
+    m is expanded to x's whole `shape` before anything divides by it: the emulated HTP computes the reciprocal
+    of a per-row statistic ([rows, 1]) differently for a row of a T-token step than for a one-token step (1e-3
+    to 1.6e-2 apart on a 576-wide row, rows 1..8 of 9), and element by element over a full-width tensor the
+    same way at every T (bit for bit at T = 2..64), which exact speculation on the HTP needs."""
     if g.opset >= 18:
         peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), g.ints(-1), keepdims=1, label=NORM)
     else:
         peak = g.op("ReduceMax", g.op("Abs", x, label=NORM), axes=[-1], keepdims=1, label=NORM)
     peak = g.op("Add", peak, g.const(1e-3, dtype), label=NORM)  # a row of zeros stays zeros, not NaN
+    peak = g.op("Expand", peak, g.ints(*shape), label=NORM)
     root = g.op("Sqrt", peak, label=NORM)
     half = g.op("Div", x, root, label=NORM)  # x / sqrt(m), |.| <= sqrt(m)
     y = g.op("Div", half, root, label=NORM)  # x / m, in [-1, 1]
@@ -484,7 +491,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     x = embedding(input_ids)
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
-        h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt, scaled_norm)
+        h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
         qkv = linear(h, p + "qkv", k=E)
         if cfg.attention_bias:
             qkv = g.op("Add", qkv, g.weight(p + "qkv_bias"))
@@ -498,7 +505,8 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             qk_norm = qk_norm and g.op("Reshape", qk_norm, g.ints(H + Hkv, 1, D))
         qk, v = g.op("Split", qkv, g.ints(H + Hkv, Hkv), axis=heads, outputs=2, name=(None, kv_names[1]))
         if cfg.qk_norm:  # q and k get the norm and RoPE together
-            qk = _rms_norm(g, qk, qk_norm, cfg.rms_norm_eps, dt, scaled_norm)
+            qk = _rms_norm(g, qk, qk_norm, cfg.rms_norm_eps, dt, scaled_norm,
+                           (B, H + Hkv, 1, D) if heads_first else (B, T, H + Hkv, D))
         qk = g.op("MatMul", qk, rotation)
         q, k = g.op("Split", qk, g.ints(H, Hkv), axis=heads, outputs=2, name=(None, kv_names[0]))
         new_k = k if heads_first else per_head(k, C.new_key(i))  # [B, Hkv, T, D]
@@ -529,13 +537,13 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
         x = g.op("Add", x, linear(from_rows(attn), p + "o", k=H * D), label=RESIDUAL)
 
-        h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm)
+        h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
         gate, up = g.op("Split", linear(h, p + "gate_up", k=E), axis=-1, outputs=2)
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
         x = g.op("Add", x, linear(act, p + "down", k=cfg.intermediate_size), label=RESIDUAL)
 
     if role == C.STEP:
-        h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm)
+        h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
         name = C.LOGITS if dt == "float32" else None  # else a Cast makes the contract's float32 logits
         if quant is not None or matmul_head:  # [B, T, E] in, [B, T, V] out: reshaping h costs less than the logits
             logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name)
