@@ -132,9 +132,10 @@ class ExportOptions:
 FLAVOURS = ("portable", "qnn-fp16", "qnn-qdq16")
 
 
-def flavour_record(opts: ExportOptions, calibration: dict | None = None) -> dict | None:
+def flavour_record(opts: ExportOptions, calibration: dict | None = None,
+                   logits_scale: dict[str, float] | None = None) -> dict | None:
     """What the manifest says about a runtime-specific flavour (export.qnn); None for the portable one.
-    `calibration`: what export.qdq.quantize_bundle reports (qnn-qdq16)."""
+    `calibration`: what export.qdq.quantize_bundle reports, `logits_scale`: export.qdq.logits_scales (qnn-qdq16)."""
     if opts.flavour == "qnn-qdq16":
         from .qdq import ACTIVATIONS, MASK_VALUE, WEIGHTS
 
@@ -142,7 +143,7 @@ def flavour_record(opts: ExportOptions, calibration: dict | None = None) -> dict
                 "channel (MatMul); per tensor elsewhere", "io": "float32 (QDQ inside the graph)",
                 "calibration": calibration, "soc_model": None, "backend": "htp", "mask_value": MASK_VALUE,
                 "float": "residual adds and RMSNorm statistics (fp16 on the HTP)",
-                "tool": "onnxruntime.quantization (get_qnn_qdq_config, MinMax)"}
+                "tool": "onnxruntime.quantization (get_qnn_qdq_config, MinMax)", "logits_scale": logits_scale}
     if opts.flavour != "qnn-fp16":
         return None
     # soc_model None: the graphs are not tied to one SoC; the runtime compiles them for the HTP it finds (the
@@ -331,13 +332,13 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                     "seconds": None},
         )
         if qdq:  # calibrate on the float32 graphs just written, then replace them with their QDQ graphs
-            from .qdq import Calibration, quantize_bundle
+            from .qdq import Calibration, logits_scales, quantize_bundle
 
             manifest.save(tmp)
             calibration = Calibration(**{k: v for k, v in (("prompts", opts.calibration_prompts),
                                                            ("count", opts.calibration_count)) if v is not None})
-            manifest.export["qnn"] = flavour_record(opts, quantize_bundle(tmp, manifest, calibration, bar,
-                                                                                 opts.jobs))
+            record = quantize_bundle(tmp, manifest, calibration, bar, opts.jobs)
+            manifest.export["qnn"] = flavour_record(opts, record, logits_scales(tmp, manifest))
         manifest.export["seconds"] = round(time.time() - started, 1)
         manifest.save(tmp)
         bar.close()

@@ -234,9 +234,10 @@ _PASS_THROUGH = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Sli
 
 
 def _activation_overrides(model, ranges) -> dict[str, dict]:
-    """Activation overrides: each _SHARED_RANGE_OPS node's inputs and output get the union of their ranges
-    (rmin/rmax), and the second operand of every product of two activations (attention's values) reaches its
-    MatMul converted to symmetric int16 (the tensor keeps uint16 for its other readers).
+    """Activation overrides: each _SHARED_RANGE_OPS node's inputs and output, and each past K/V input with the
+    tensor its layer's new K/V are computed as, get the union of their ranges (rmin/rmax), and the second operand
+    of every product of two activations (attention's values) reaches its MatMul converted to symmetric int16 (the
+    tensor keeps uint16 for its other readers).
 
     Why int16: the emulated HTP computes a uint16 x uint16 MatMul whose second operand has a zero point far from
     0 badly wrong. SmolLM2's layer-0 probabilities x values (values uint16 with zero point 38000, the range they
@@ -263,6 +264,31 @@ def _activation_overrides(model, ranges) -> dict[str, dict]:
     for node in model.graph.node:
         if node.op_type in _SHARED_RANGE_OPS:
             join({root(node.input[i]) for i in _SHARED_RANGE_OPS[node.op_type]} | {node.output[0]})
+    # A new K/V entry leaves the graph dequantized and comes back in a later step's past: it must come back as
+    # the same integers, so the tensor it is computed as and the past input share one range. Otherwise a verify
+    # row attends to the step's own keys at one scale and a decode step to the same keys at the cache's (tiny
+    # llama: 2.157e-05 / zero point 29598 against 2.156e-05 / 29605), and rows differ now and then (2e-4 in the
+    # logits on the emulated HTP).
+    # The quantizer puts a past input's QuantizeLinear after its pass-through readers (the keys' Transpose), with
+    # their own ranges: those join too.
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+
+    def passed_on(t):  # t and what pass-through nodes make of it
+        out = {t}
+        for n in readers.get(t, []):
+            if n.op_type in _PASS_THROUGH:
+                out |= passed_on(n.output[0])
+        return out
+
+    inputs = {i.name for i in model.graph.input}
+    layer = 0
+    while C.past_key(layer) in inputs:
+        for past, new in ((C.past_key(layer), C.new_key(layer)), (C.past_value(layer), C.new_value(layer))):
+            join(passed_on(past) | {root(new)})
+        layer += 1
     converts: dict[str, set[str]] = {}
     for n in model.graph.node:
         if n.op_type == "MatMul" and not {n.input[0], n.input[1]} & weights:
@@ -545,6 +571,33 @@ def quantize_bundle(bundle: str, manifest, calibration: Calibration, progress=No
         shutil.rmtree(scratch, ignore_errors=True)
     return {"prompts": os.path.basename(calibration.prompts), "prompt_count": len(prompts),
             "method": "minmax", "samples": sum(per_graph.values()), "samples_per_graph": per_graph}
+
+
+def graph_logits_scale(path: str) -> float | None:
+    """The scale of the DequantizeLinear that writes a QDQ graph's logits output (None: no logits output, or not
+    written by one). Every step graph of a model has the same (one range per tensor name), which the manifest
+    records as the grid the runtime snaps logits onto (runtime/model.snap_to_grid)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(path, load_external_data=False)
+    writer = next((n for n in model.graph.node if C.LOGITS in n.output), None)
+    if writer is None or writer.op_type != "DequantizeLinear":
+        return None
+    scale = next((i for i in model.graph.initializer if i.name == writer.input[1]), None)
+    return None if scale is None else float(numpy_helper.to_array(scale))
+
+
+def logits_scales(bundle: str, manifest) -> dict[str, float]:
+    """Model name -> the scale of its step graphs' logits (graph_logits_scale), which they all share."""
+    out = {}
+    for name, entry in manifest.models.items():
+        scales = {graph_logits_scale(os.path.join(bundle, g.file)) for g in entry.graphs if g.role == C.STEP}
+        if len(scales) != 1 or None in scales:
+            raise ExportError(f"the {name} step graphs' logits are not on one quantization grid: "
+                              f"{sorted(map(str, scales))}")
+        out[name] = scales.pop()
+    return out
 
 
 def _reparsed(model):

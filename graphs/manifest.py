@@ -188,6 +188,12 @@ class Manifest:
     def draft(self) -> ModelEntry | None:
         return self.models.get("draft")
 
+    def logits_scale(self, model: str) -> float | None:
+        """The quantization step of a model's logits, when its graphs return logits on a uint16 grid (the
+        qnn-qdq16 flavour: export.qnn.logits_scale); a runtime snaps them onto it (docs/bundle.md)."""
+        scale = ((self.export.get("qnn") or {}).get("logits_scale") or {}).get(model)
+        return float(scale) if scale else None
+
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "opset": self.opset, "portable": self.portable,
                 "models": {k: m.to_json() for k, m in self.models.items()},

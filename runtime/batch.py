@@ -384,14 +384,16 @@ def _prefill_rows(runner: ModelRunner, pending: list[list[int]]) -> list[int]:
 class BatchGenerator:
     def __init__(self, bundle_dir: str, manifest, backend):
         self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
-        self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
+        self.target = ModelRunner("target", bundle_dir, manifest.target, backend,
+                                  logits_scale=manifest.logits_scale("target"))
         self.batch = manifest.target.dims.batch
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self.draft = None
         if manifest.draft:
             shares = self.target if shares_target_cache(manifest) else None
-            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares)
+            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares,
+                                     logits_scale=manifest.logits_scale("draft"))
         self.runner = BatchRunner(self.target, manifest, self.eos_ids, self.draft)
 
     @classmethod

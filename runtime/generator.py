@@ -50,11 +50,13 @@ class Generator:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.backend = backend
-        self.target = ModelRunner("target", bundle_dir, manifest.target, backend)
+        self.target = ModelRunner("target", bundle_dir, manifest.target, backend,
+                                  logits_scale=manifest.logits_scale("target"))
         self.draft = None
         if manifest.draft:
             shares = self.target if shares_target_cache(manifest) else None
-            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares)
+            self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares,
+                                     logits_scale=manifest.logits_scale("draft"))
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)

@@ -87,9 +87,12 @@ class _RowStep:
 
 
 class ModelRunner:
-    def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None):
-        """`shares`: the target, for a draft cut from its first layers that reads the target's cache."""
+    def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None,
+                 logits_scale: float | None = None):
+        """`shares`: the target, for a draft cut from its first layers that reads the target's cache.
+        `logits_scale`: the grid the graphs' logits lie on (Manifest.logits_scale), snapped onto after each run."""
         self.name = name
+        self._logits_scale = logits_scale
         self.entry = entry
         self.dims = entry.dims
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
@@ -234,6 +237,8 @@ class ModelRunner:
         elif step.step_mask is not None:  # a tree may have run in this graph last
             step.step_mask[:] = step.causal
         self._run(step.session)
+        if self._logits_scale and step.logits is not None:
+            snap_to_grid(step.logits, self._logits_scale)
         self._looked_up += sum(counts)
         if self._looked_up >= LOOKUP_RELEASE_TOKENS:
             self.release_lookup_pages()
@@ -390,6 +395,14 @@ class ModelRunner:
         self._steps.clear()
         self._step_buffers.clear()
         self._row_steps.clear()
+
+
+def snap_to_grid(logits: np.ndarray, scale: float) -> None:
+    """Put logits that a graph computed as uint16 levels and dequantized (q - zero_point) * scale back onto that
+    grid, in place. The emulated HTP dequantizes the same levels of a step of 8 or more rows a float32 ulp or two
+    away from a one-token step's; snapped, equal levels are equal floats in every step, and a greedy argmax breaks
+    a tie of levels the same way in a verify step as in decode."""
+    np.multiply(np.rint(logits * np.float32(1 / scale)), np.float32(scale), out=logits)
 
 
 def _restrict(available: list[int], sizes: list[int] | None) -> list[int]:

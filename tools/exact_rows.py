@@ -28,6 +28,7 @@ class RowsResult:
     graph: GraphEntry
     reference: str  # what the graph's rows were compared with
     max_diff: float  # largest |difference| over logits and new K/V; 0.0 is the requirement
+    cache_diff: float  # the same over the new K/V alone
     tree: bool = False  # the graph ran a token tree (step_mask), not a chain
 
     @property
@@ -90,6 +91,11 @@ class GraphDriver:
             s.close()
 
 
+def _result(graph: GraphEntry, reference: str, got: dict, want: dict, tree: bool = False) -> RowsResult:
+    cache = {k: v for k, v in got.items() if k != C.LOGITS}
+    return RowsResult(graph, reference, max_abs_diff(got, want), max_abs_diff(cache, want), tree)
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     """Largest |a[k] - b[k]| over the arrays both dicts name, in float64."""
     return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) for k in a.keys() & b.keys())
@@ -115,16 +121,16 @@ def _tree_rows(driver: GraphDriver, graph: GraphEntry, decode: GraphEntry, start
     keys, values = driver.fresh_cache(S, start)
     past = keys.copy(), values.copy()
     whole = driver.run(graph, keys, values, tokens[None], start, tree)
-    worst = 0.0
+    rows = []
     for i in range(T):
         k1, v1 = past[0].copy(), past[1].copy()
         path = np.flatnonzero(tree.sees[i])  # the root, the ancestors, the row itself: slot order is depth order
         for j, node in enumerate(path):
             out = driver.run(decode, k1, v1, tokens[None, node:node + 1], start + j)
-        row = {name: whole[name][:, i:i + 1] if name == C.LOGITS else whole[name][:, :, i:i + 1] for name in whole}
-        worst = max(worst, max_abs_diff(row, out))
-    return RowsResult(graph, f"a tree of {T} rows (spine and leaves) against one-token steps along each path, S={S}",
-                      worst, tree=True)
+        rows.append(out)
+    stacked = {name: np.concatenate([r[name] for r in rows], axis=2 if name != C.LOGITS else 1) for name in whole}
+    return _result(graph, f"a tree of {T} rows (spine and leaves) against one-token steps along each path, S={S}",
+                   whole, stacked, tree=True)
 
 
 def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> list[RowsResult]:
@@ -149,7 +155,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             B = model.graph_dims(graph).batch  # a row graph is compared with the first row of the batch's steps
             stacked = {name: np.concatenate([r[name][:B] for r in rows], axis=2 if name != C.LOGITS else 1)
                        for name in whole}
-            results.append(RowsResult(graph, f"{T} one-token steps, S={S}", max_abs_diff(whole, stacked)))
+            results.append(_result(graph, f"{T} one-token steps, S={S}", whole, stacked))
             if graph.step_mask and d.batch == 1:
                 results.append(_tree_rows(driver, graph, decode[S], start))
         smallest = min(decode)
@@ -163,7 +169,7 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> 
             keys, values = driver.fresh_cache(S, start)
             keys[:, :, :, :start], values[:, :, :, :start] = base_k[:, :, :, :start], base_v[:, :, :, :start]
             out = driver.run(graph, keys, values, tokens, start)
-            results.append(RowsResult(graph, f"one-token step, S={smallest}", max_abs_diff(out, reference)))
+            results.append(_result(graph, f"one-token step, S={smallest}", out, reference))
     finally:
         driver.close()
     return results
