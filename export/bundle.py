@@ -193,7 +193,8 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
     if qdq:
         from .qdq import MASK_VALUE as mask_value
     llama.build_step_graph(cfg, dims, tokens, role, g, step_mask=step_mask and role == C.STEP, context=context,
-                           quant=quant, scaled_norm=scaled_norm, mask_value=mask_value, same_ops=qdq,
+                           quant=quant, scaled_norm=scaled_norm, mask_value=mask_value,
+                           same_ops=qdq or scaled_norm,  # both QNN flavours: the HTP rounds other ops differently
                            matmul_head=qdq)
     mask = step_mask and role == C.STEP
     entry = GraphEntry(tokens=tokens, role=role, file=graph_file(model, role, tokens, context, mask, rows),

@@ -355,7 +355,9 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     quantized flavour needs one near the scores' own range, as the masked scores share their scale.
     `same_ops`: build a one-token step with the T > 1 ops too (scatter at slot cache_len), so every step graph of
     a model has the same nodes under the same names; the QDQ flavour gives each tensor one scale across them, and
-    a verify row then computes exactly like a decode step (what exact greedy speculation needs).
+    a verify row then computes exactly like a decode step (what exact greedy speculation needs). The QNN fp16
+    flavour uses it too: on the HTP a one-token step built with other ops (heads-first layout, no scatter)
+    rounded differently (SmolLM2: a 5-token step's logits up to 0.1 away from one-token steps'; equal with it).
     `matmul_head`: the LM head is a MatMul weight `lm_head` [hidden, V] of its own even when tied (the QDQ
     flavour: the HTP places a per-channel quantized MatMul, not a Gemm over the transposed embedding table
     whose dequantized copy the embedding's Gather also reads)."""

@@ -82,9 +82,10 @@ def test_every_node_of_every_graph_runs_on_qnn(flavour, tiny_bundle, qnn_fp16_bu
             backend.load(os.path.join(bundle, graph.file), weights)
             record = backend.loads[-1]
             nodes = len(onnx.load(os.path.join(bundle, graph.file), load_external_data=False).graph.node)
-            # Every node onnxruntime kept after its graph optimizations (a few constants fold away) is on QNN.
+            # Every node onnxruntime kept after its graph optimizations is on QNN. Some fold away as constants
+            # (the causal step mask of a one-token QNN step: 12 of 263 nodes).
             assert record.placement == {EP: record.placement[EP]}, (graph.file, record.placement)
-            assert nodes - 10 <= record.placement[EP] <= nodes, (graph.file, nodes, record.placement)
+            assert 0.9 * nodes <= record.placement[EP] <= nodes, (graph.file, nodes, record.placement)
         backend.close()
 
 
@@ -345,11 +346,19 @@ def test_smollm2_on_qnn_every_node_placed_and_top1_measured(smollm2_path, tmp_pa
     try:
         prompt = cpu.tokenizer.apply_chat_template([{"role": "user", "content": "Rewrite in Python 3: print 'hello %s' % name"}])
         want = cpu.generate(prompt, n, proposer="none", stop_ids=[]).tokens
+        fed = [prompt[-1]] + want[:-1]
         qnn.target.prefill(prompt[:-1])
-        got = [int(qnn.target.run([t]).argmax()) for t in [prompt[-1]] + want[:-1]]
+        decoded = np.stack([qnn.target.run([t])[0].copy() for t in fed])
+        got = decoded.argmax(-1).tolist()
         agree = sum(a == b for a, b in zip(got, want))
         print(f"SmolLM2 qnn-fp16 top-1 agreement with CPU float32: {agree}/{n}", file=sys.stderr)
         assert agree >= n - 1, (got, want)
+        # A 5-token verify step over the same tokens computes the one-token steps' logits bit for bit on the HTP.
+        # Before the flavour's one-token step was built with the verify step's ops (same_ops), its rows drifted
+        # from layer 2 on (1.7 in the logits from a random cache).
+        qnn.target.reset()
+        qnn.target.prefill(prompt[:-1])
+        np.testing.assert_array_equal(qnn.target.run(fed[:5]), decoded[:5])
         assert qnn.backend.loads and all(r.all_on_qnn for r in qnn.backend.loads)
     finally:
         cpu.close()
