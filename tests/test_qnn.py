@@ -137,21 +137,24 @@ def test_logits_close_to_cpu_float32(flavour, tiny_bundle, qnn_fp16_bundle, cpu_
         gen.close()
 
 
+def rows_on_qnn(bundle: str) -> list:
+    """check's exact-rows comparison of the bundle's target (tools/exact_rows.py), run on the emulated HTP."""
+    from specedge.tools.exact_rows import check_model_rows
+
+    backend, _ = _backend_for(bundle, cache=False)
+    try:
+        return check_model_rows(bundle, load_manifest(bundle).target, backend)
+    finally:
+        backend.close()
+
+
 def test_qnn_fp16_rows_are_bit_exact_on_the_htp(qnn_fp16_bundle):
     """check's exact-rows comparison on the emulated HTP for the tiny llama in the qnn-fp16 flavour: every
     T-token graph (and the tree graph, also for a token tree) computes each row bit for bit as one-token decode
     steps do there. Its RMSNorm divides by the row statistics expanded to the row's full width: the HTP computes
     the reciprocal of a [rows, 1] tensor differently for a row of a T-token step than for a one-token step (rows
-    came out up to 1e-3 apart), and a full-width one the same way at every T. (SmolLM2's wider fp16 products
-    still drift from layer 2 on: README, "Phone NPUs".)"""
-    from specedge.tools.exact_rows import check_model_rows
-
-    entry = load_manifest(qnn_fp16_bundle).target
-    backend, _ = _backend_for(qnn_fp16_bundle, cache=False)
-    try:
-        results = check_model_rows(qnn_fp16_bundle, entry, backend)
-    finally:
-        backend.close()
+    came out up to 1e-3 apart), and a full-width one the same way at every T. (SmolLM2: the slow test below.)"""
+    results = rows_on_qnn(qnn_fp16_bundle)
     assert any(r.tree for r in results) and any(r.graph.tokens == CHUNK for r in results)
     assert [(r.graph.file, r.reference, r.max_diff) for r in results if not r.exact] == []
 

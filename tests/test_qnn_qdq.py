@@ -15,7 +15,7 @@ import onnx
 import pytest
 from conftest import CHUNK
 from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, cpu_gen, qnn_cache,  # noqa: F401
-                      teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
+                      rows_on_qnn, teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -220,14 +220,7 @@ def test_tree_and_chain_rows_equal_decode_on_the_htp(qdq_bundle):
     bit, logits within HTP_LOGITS_ATOL. This needs every step graph to quantize each tensor with the same scale
     (the chains are built with the tree graphs' nodes and names, and calibration gives one range per name), the
     new K/V at the cache's scale, and norms that divide by full-width tensors (graphs/llama.py)."""
-    from specedge.tools.exact_rows import check_model_rows
-
-    entry = load_manifest(qdq_bundle).target
-    backend, _ = _backend_for(qdq_bundle, cache=False)
-    try:
-        results = check_model_rows(qdq_bundle, entry, backend)
-    finally:
-        backend.close()
+    results = rows_on_qnn(qdq_bundle)
     trees = [r for r in results if r.tree]
     assert sorted(r.graph.tokens for r in trees) == list(TREES)
     assert any(r.graph.step_mask and not r.tree for r in results)  # a tree graph's causal-chain comparison ran
