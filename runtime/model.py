@@ -237,8 +237,10 @@ class ModelRunner:
         elif step.step_mask is not None:  # a tree may have run in this graph last
             step.step_mask[:] = step.causal
         self._run(step.session)
-        if self._logits_scale and step.logits is not None:
-            snap_to_grid(step.logits, self._logits_scale)
+        if self._logits_scale and step.logits is not None:  # the fed rows: callers read no others
+            for b, n in enumerate(counts):
+                if n:
+                    snap_to_grid(step.logits[b, :n], self._logits_scale)
         self._looked_up += sum(counts)
         if self._looked_up >= LOOKUP_RELEASE_TOKENS:
             self.release_lookup_pages()
@@ -402,7 +404,9 @@ def snap_to_grid(logits: np.ndarray, scale: float) -> None:
     grid, in place. The emulated HTP dequantizes the same levels of a step of 8 or more rows a float32 ulp or two
     away from a one-token step's; snapped, equal levels are equal floats in every step, and a greedy argmax breaks
     a tie of levels the same way in a verify step as in decode."""
-    np.multiply(np.rint(logits * np.float32(1 / scale)), np.float32(scale), out=logits)
+    np.multiply(logits, np.float32(1 / scale), out=logits)  # in place: no [T, V] temporaries per step
+    np.rint(logits, out=logits)
+    np.multiply(logits, np.float32(scale), out=logits)
 
 
 def _restrict(available: list[int], sizes: list[int] | None) -> list[int]:
