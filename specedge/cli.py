@@ -117,13 +117,18 @@ def _add_check(sub) -> None:
                    help="where each graph is loaded and run once, and the exact rows are checked: cpu (default), "
                    "ort, cuda or tensorrt (onnxruntime-gpu: rows are checked on the GPU, where float32 kernels may "
                    "round a T-token step's rows differently), or qnn to report per graph whether every node is "
-                   "placed on QNN (Qualcomm HTP or its x86 emulator; rows are checked on the CPU only)")
+                   "placed on QNN (Qualcomm HTP or its x86 emulator; its exact rows only with --exact-rows)")
+    p.add_argument("--exact-rows", action=argparse.BooleanOptionalAction, default=None,
+                   help="compare every T-token graph's rows with one-token decode on the chosen backend (default: "
+                   "on, except on qnn, where it runs T decode steps per graph, minutes per SmolLM2 graph on the x86 "
+                   "emulator, and for qnn-qdq16 bundles on the CPU, whose kernels are not the HTP's); "
+                   "--no-exact-rows skips it")
 
 
 def _run_check(a) -> int:
     from .tools.check import check_bundle
 
-    report = check_bundle(a.bundle, load=not a.no_load, backend=a.backend)
+    report = check_bundle(a.bundle, load=not a.no_load, backend=a.backend, exact_rows=a.exact_rows)
     print(report.render())
     return 0 if report.ok else 1
 

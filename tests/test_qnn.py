@@ -138,12 +138,14 @@ def test_logits_close_to_cpu_float32(flavour, tiny_bundle, qnn_fp16_bundle, cpu_
 
 
 def rows_on_qnn(bundle: str) -> list:
-    """check's exact-rows comparison of the bundle's target (tools/exact_rows.py), run on the emulated HTP."""
+    """check's exact-rows comparison of the bundle's target (tools/exact_rows.py), run on the emulated HTP, logits
+    on the manifest's grid where it records one (qnn-qdq16), as the runtime reads them."""
     from specedge.tools.exact_rows import check_model_rows
 
     backend, _ = _backend_for(bundle, cache=False)
+    manifest = load_manifest(bundle)
     try:
-        return check_model_rows(bundle, load_manifest(bundle).target, backend)
+        return check_model_rows(bundle, manifest.target, backend, logits_scale=manifest.logits_scale("target"))
     finally:
         backend.close()
 
@@ -157,6 +159,25 @@ def test_qnn_fp16_rows_are_bit_exact_on_the_htp(qnn_fp16_bundle):
     results = rows_on_qnn(qnn_fp16_bundle)
     assert any(r.tree for r in results) and any(r.graph.tokens == CHUNK for r in results)
     assert [(r.graph.file, r.reference, r.max_diff) for r in results if not r.exact] == []
+
+
+def test_check_compares_rows_on_the_htp_when_asked(qnn_fp16_bundle, tiny_bundle, capsys):
+    """`specedge check --backend qnn --exact-rows` runs check's exact-rows comparison on the HTP itself, where a
+    device's rounding is what speculation depends on: the qnn-fp16 bundle passes there; the portable float32
+    bundle, whose rows are bit-exact on the CPU, fails there (its one-token step has another layout than its
+    verify steps, which the HTP rounds differently). Without the flag the comparison is left out on qnn, saying
+    so."""
+    from specedge.cli import main
+
+    assert main(["check", qnn_fp16_bundle, "--backend", "qnn", "--exact-rows"]) == 0
+    out = capsys.readouterr().out
+    multi_token = [g for g in load_manifest(qnn_fp16_bundle).target.graphs if g.tokens > 1]
+    assert f"target: exact rows on qnn: {len(multi_token)} graphs compute each row bit for bit" in out, out
+    assert main(["check", tiny_bundle, "--backend", "qnn", "--exact-rows"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "target: exact rows on qnn: " in out and " differs from " in out, out
+    assert main(["check", tiny_bundle, "--backend", "qnn"]) == 0
+    assert "target: exact rows not checked on qnn by default" in capsys.readouterr().out
 
 
 # -- speculation ---------------------------------------------------------------------------------------------

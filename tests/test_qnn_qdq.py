@@ -27,12 +27,6 @@ from specedge.runtime.generator import Generator
 # most against CPU float32 in the runs that set this bound (every step graph of a model shares its tensors' scales,
 # see export/qdq.py). About twice the measured error, still far below the spread of the logits.
 QDQ_LOGITS_ATOL = 0.02
-# On the emulated HTP a T-token step's rows equal one-token steps' bit for bit in their new K/V and in their
-# quantized logits; a step of 8 or more rows dequantizes its logits (the same uint16 values) up to 2 float32
-# ulps away from a one-token step (1.2e-7 on the tiny llama's logits of about +-0.5). Before: 1e-3 (each
-# RMSNorm's reciprocal of a per-row statistic), 2e-4 now and then (the step's own keys at another scale than the
-# cache's), 7e-3 to 5e-2 for tree graphs (their own scales: names that differed from the chains').
-HTP_LOGITS_ATOL = 1e-6
 TREES = (5, 8)  # tree graphs of the qdq bundle
 
 
@@ -215,20 +209,24 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(qdq_bundle):
 
 
 def test_tree_and_chain_rows_equal_decode_on_the_htp(qdq_bundle):
-    """check's exact-rows comparison (every T-token graph against one-token steps; each tree graph also for a
-    spine-plus-leaves tree, row by row against decode along its path), run on the emulated HTP: new K/V bit for
-    bit, logits within HTP_LOGITS_ATOL. This needs every step graph to quantize each tensor with the same scale
-    (the chains are built with the tree graphs' nodes and names, and calibration gives one range per name), the
-    new K/V at the cache's scale, and norms that divide by full-width tensors (graphs/llama.py)."""
-    results = rows_on_qnn(qdq_bundle)
-    trees = [r for r in results if r.tree]
-    assert sorted(r.graph.tokens for r in trees) == list(TREES)
+    """`specedge check --backend qnn --exact-rows`: check's exact-rows comparison (every T-token graph against
+    one-token steps; each tree graph also for a spine-plus-leaves tree, row by row against decode along its path)
+    on the emulated HTP, logits on the manifest's grid as the runtime reads them: bit for bit, both models. This
+    needs every step graph to quantize each tensor with the same scale (the chains are built with the tree graphs'
+    nodes and names, and calibration gives one range per name), the new K/V at the cache's scale, norms that
+    divide by full-width tensors (graphs/llama.py), and the snapping (a step of 8 or more rows dequantizes the
+    same uint16 levels 1-2 float32 ulps away from a one-token step)."""
+    from specedge.tools.check import check_bundle
+
+    report = check_bundle(qdq_bundle, backend="qnn", exact_rows=True).render()
+    assert "FAIL" not in report, report
+    multi_token = [g for g in load_manifest(qdq_bundle).target.graphs if g.tokens > 1]
+    assert (f"target: exact rows on qnn: {len(multi_token)} graphs compute each row bit for bit as decode does, "
+            f"{len(TREES)} of them also a token tree's rows") in report, report
+    assert "draft: exact rows on qnn: " in report, report
+    results = rows_on_qnn(qdq_bundle)  # the same comparison, with the numbers
     assert any(r.graph.step_mask and not r.tree for r in results)  # a tree graph's causal-chain comparison ran
-    worst = max(results, key=lambda r: r.max_diff)
-    print(f"tiny qnn-qdq16 rows on the emulated HTP: largest difference from decode {worst.max_diff:.2e} "
-          f"({worst.graph.file}, {worst.reference})", file=sys.stderr)
-    assert [(r.graph.file, r.reference, r.cache_diff) for r in results if r.cache_diff] == []
-    assert worst.max_diff <= HTP_LOGITS_ATOL, (worst.graph.file, worst.reference, worst.max_diff)
+    assert [(r.graph.file, r.reference, r.max_diff) for r in results if not r.exact] == []
 
 
 def test_the_runtimes_verify_rows_equal_its_decode_rows_on_the_htp(qdq_bundle):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry, read_index, weights_index_file
+from ..runtime.model import snap_to_grid
 from ..runtime.tree import TreeLayout, spine_and_leaves
 
 
@@ -39,8 +40,9 @@ class RowsResult:
 class GraphDriver:
     """The contract's host side for one model: a cache per bucket, and `run(graph, tokens, start)`."""
 
-    def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0):
+    def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0, logits_scale: float | None = None):
         self.bundle, self.model, self.backend, self.dims = bundle, model, backend, model.dims
+        self.logits_scale = logits_scale  # qnn-qdq16: logits are compared on the grid the runtime snaps them onto
         self.weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(self.weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
         self.rng = np.random.default_rng(seed)
@@ -81,6 +83,8 @@ class GraphDriver:
         session = self.sessions[key]
         session.bind(feeds, outputs)
         session.run()
+        if self.logits_scale is not None and C.LOGITS in outputs:  # prefill graphs return no logits
+            snap_to_grid(outputs[C.LOGITS], self.logits_scale)
         for i in range(d.num_layers):
             keys[i, :B, :, start:start + T] = outputs[C.new_key(i)]
             values[i, :B, :, start:start + T] = outputs[C.new_value(i)]
@@ -133,12 +137,14 @@ def _tree_rows(driver: GraphDriver, graph: GraphEntry, decode: GraphEntry, start
                    whole, stacked, tree=True)
 
 
-def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0) -> list[RowsResult]:
+def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0,
+                     logits_scale: float | None = None) -> list[RowsResult]:
     """Every T > 1 graph against one-token steps in its bucket, and every bucket's one-token graph against
     the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
-    covers the whole slot range the bucket's reductions run over."""
+    covers the whole slot range the bucket's reductions run over. `logits_scale`: the manifest's logits grid
+    (qnn-qdq16), which the runtime snaps logits onto; the rows are compared as the runtime reads them."""
     d = model.dims
-    driver = GraphDriver(bundle, model, backend, seed)
+    driver = GraphDriver(bundle, model, backend, seed, logits_scale)
     decode = one_token_steps(model)
     results = []
     try:
