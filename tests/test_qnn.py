@@ -22,6 +22,7 @@ from specedge.runtime.backends import create_backend
 from specedge.runtime.backends.qnn import EP, QnnBackend, QnnOptions
 from specedge.runtime.backends.qnn_cache import CONTEXT_FILE, DIGEST_FILE
 from specedge.runtime.generator import Generator
+from specedge.tools.exact_rows import GraphDriver, one_token_steps, tree_rows
 
 # Logits of the tiny llama are about +-0.7; fp16 compute on the HTP moved them by at most 1.3e-3 (float32
 # bundle) and 4e-3 (float16 bundle, whose weights are rounded too) in the runs that set this bound.
@@ -364,7 +365,8 @@ def test_smollm2_on_qnn_every_node_placed_and_top1_measured(smollm2_path, tmp_pa
     small = dict(context=256, prefill_chunk=32, gammas=(4,))
     cpu_bundle, qnn_bundle = str(root / "cpu"), str(root / "qnn")
     export_bundle(smollm2_path, cpu_bundle, ExportOptions(**small), progress=False)
-    export_bundle(smollm2_path, qnn_bundle, ExportOptions(**small, dtype="float16", flavour="qnn-fp16"), progress=False)
+    export_bundle(smollm2_path, qnn_bundle, ExportOptions(**small, dtype="float16", flavour="qnn-fp16", tree_sizes=(8,)),
+                  progress=False)
     n = 16
     cpu, qnn = Generator.load(cpu_bundle), Generator.load(qnn_bundle, backend="qnn")
     try:
@@ -384,6 +386,16 @@ def test_smollm2_on_qnn_every_node_placed_and_top1_measured(smollm2_path, tmp_pa
         qnn.target.prefill(prompt[:-1])
         np.testing.assert_array_equal(qnn.target.run(fed[:5]), decoded[:5])
         assert qnn.backend.loads and all(r.all_on_qnn for r in qnn.backend.loads)
+        # An 8-row token tree (spine and leaves) computes each row as decode does along its path, from a random
+        # cache (check's comparison, at a fill where it failed before): bit for bit since check fills a float16
+        # cache's stale slots with 16, not 1e4, whose scores overflow float16 (at 1e4: 0.016 in the new K/V
+        # and the logits of one row, from layer 21 on).
+        entry = load_manifest(qnn_bundle).target
+        tree8 = next(g for g in entry.graphs if g.step_mask and g.tokens == 8 and g.context == 128)
+        driver = GraphDriver(qnn_bundle, entry, qnn.backend, seed=1)
+        rows = tree_rows(driver, tree8, one_token_steps(entry)[128], 117)
+        driver.close()
+        assert rows.tree and rows.exact, rows
     finally:
         cpu.close()
         qnn.close()
