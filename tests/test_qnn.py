@@ -20,7 +20,7 @@ from specedge.graphs import contract as C
 from specedge.graphs.manifest import load_manifest, read_index, weights_index_file
 from specedge.runtime.backends import create_backend
 from specedge.runtime.backends.qnn import EP, QnnBackend, QnnOptions
-from specedge.runtime.backends.qnn_cache import CONTEXT_FILE, DIGEST_FILE
+from specedge.runtime.backends.qnn_cache import CONTEXT_FILE, DIGEST_FILE, PLACEMENT_FILE
 from specedge.runtime.generator import Generator
 from specedge.tools.exact_rows import GraphDriver, one_token_steps, tree_rows
 
@@ -162,18 +162,38 @@ def test_qnn_fp16_rows_are_bit_exact_on_the_htp(qnn_fp16_bundle):
     assert [(r.graph.file, r.reference, r.max_diff) for r in results if not r.exact] == []
 
 
-def test_check_compares_rows_on_the_htp_when_asked(qnn_fp16_bundle, tiny_bundle, capsys):
+def test_check_compares_rows_on_the_htp_when_asked(qnn_fp16_bundle, tiny_bundle, capsys, qnn_cache, monkeypatch):
     """`specedge check --backend qnn --exact-rows` runs check's exact-rows comparison on the HTP itself, where a
     device's rounding is what speculation depends on: the qnn-fp16 bundle passes there; the portable float32
     bundle, whose rows are bit-exact on the CPU, fails there (its one-token step has another layout than its
-    verify steps, which the HTP rounds differently). Without the flag the comparison is left out on qnn, saying
-    so."""
+    verify steps, which the HTP rounds differently). Each graph is compiled once, into the context cache that
+    the rows comparison (and later the runtime) loads it from, and a second check compiles nothing. Without
+    the flag the comparison is left out on qnn, saying so."""
     from specedge.cli import main
 
+    created = []  # every graph QNN compiles or loads, in order
+    create = QnnBackend._create
+
+    def recording_create(self, path, *args, **kwargs):
+        created.append(path)
+        return create(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(QnnBackend, "_create", recording_create)
     assert main(["check", qnn_fp16_bundle, "--backend", "qnn", "--exact-rows"]) == 0
     out = capsys.readouterr().out
-    multi_token = [g for g in load_manifest(qnn_fp16_bundle).target.graphs if g.tokens > 1]
+    manifest = load_manifest(qnn_fp16_bundle)
+    compiled = [p for p in created if not p.endswith(CONTEXT_FILE)]
+    assert sorted(compiled) == sorted(os.path.join(qnn_fp16_bundle, g.file)
+                                      for m in manifest.models.values() for g in m.graphs)
+    multi_token = [g for g in manifest.target.graphs if g.tokens > 1]
     assert f"target: exact rows on qnn: {len(multi_token)} graphs compute each row bit for bit" in out, out
+    graphs = sum(len(m.graphs) for m in manifest.models.values())
+    assert out.count("every node on QNN") == out.count("; compiled in ") == graphs, out
+    assert len(os.listdir(qnn_cache)) == graphs  # one context binary per graph, no second compile
+    assert main(["check", qnn_fp16_bundle, "--backend", "qnn", "--exact-rows"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("every node on QNN") == out.count("as compiled into the context cache") == graphs, out
+    assert len(os.listdir(qnn_cache)) == graphs
     assert main(["check", tiny_bundle, "--backend", "qnn", "--exact-rows"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "target: exact rows on qnn: " in out and " differs from " in out, out
@@ -245,6 +265,8 @@ def test_context_binary_is_reused_on_second_load(tiny_bundle, qnn_cache):
     cached = second.loads[-1]
     assert cached.source == "cache" and cached.context == compiled.context
     assert cached.seconds < compiled.seconds / 2, (cached.seconds, compiled.seconds)
+    # The cached graph is one EPContext node; the record still reports where the bundle's nodes were placed.
+    assert cached.placement == compiled.placement and cached.placement[EP] > 100, cached.placement
     np.testing.assert_array_equal(again, logits)  # the same binary computes the same bits
 
 
@@ -269,17 +291,31 @@ def test_changed_bundle_never_reuses_a_binary(tiny_bundle, tmp_path):
     np.testing.assert_allclose(after, 2 * before, atol=LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbled", "refused"])
+@pytest.mark.parametrize("damage", ["truncated", "garbled", "refused", "placement"])
 def test_damaged_binary_is_recompiled(damage, tiny_bundle):
     """truncated / garbled: the stored digest no longer matches, so the file never reaches QNN (which does not
     validate a context binary: a garbled one loads and then crashes the process at run time). refused: a file
-    whose digest matches but that onnxruntime cannot load. Each is dropped and compiled again, and the result
-    is right."""
+    whose digest matches but that onnxruntime cannot load. placement: the record of where the compiled graph's
+    nodes ran is unreadable. Each is dropped and compiled again, and the result is right."""
     entry = load_manifest(tiny_bundle).target
     graph, dims = os.path.join(tiny_bundle, entry.graph(C.STEP, 2).file), entry.dims
     backend, weights = _backend_for(tiny_bundle)
     want = _run_once(backend.load(graph, weights), dims, 2)
     ctx = backend.loads[-1].context
+    if damage == "placement":
+        with open(os.path.join(os.path.dirname(ctx), PLACEMENT_FILE), "w") as f:
+            f.write('{"QNNExecutionProvider": ')
+    else:
+        _damage(ctx, damage)
+    backend, weights = _backend_for(tiny_bundle)
+    got = _run_once(backend.load(graph, weights), dims, 2)
+    assert backend.loads[-1].source == "recompiled"
+    assert os.path.basename(backend.loads[-1].context) == CONTEXT_FILE
+    assert backend.loads[-1].placement[EP] > 100, backend.loads[-1].placement
+    np.testing.assert_array_equal(got, want)
+
+
+def _damage(ctx: str, damage: str) -> None:
     with open(ctx, "r+b") as f:
         if damage == "truncated":
             f.truncate(os.path.getsize(ctx) // 2)
@@ -294,11 +330,6 @@ def test_damaged_binary_is_recompiled(damage, tiny_bundle):
 
         with open(os.path.join(os.path.dirname(ctx), DIGEST_FILE), "w") as f:
             f.write(file_digest(ctx))
-    backend, weights = _backend_for(tiny_bundle)
-    got = _run_once(backend.load(graph, weights), dims, 2)
-    assert backend.loads[-1].source == "recompiled"
-    assert os.path.basename(backend.loads[-1].context) == CONTEXT_FILE
-    np.testing.assert_array_equal(got, want)
 
 
 # -- bad inputs ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ What this backend does differently from `ort` (everything else, weights and I/O 
   read from the session's graph-assignment record (session.get_providers() lists QNN even when it placed
   nothing); a graph with nodes QNN cannot place fails with those nodes named.
 * Compiled graphs are cached as QNN context binaries (qnn_cache.py), so compilation happens once per bundle,
-  SoC and wheel.
+  SoC and wheel. A load from the cache reports the placement recorded when the graph was compiled.
 
 Options come from the environment, so `Generator.load(bundle, backend="qnn")` and `--backend qnn` need none:
   SPECEDGE_QNN_SOC_MODEL      HTP SoC model id. Default on x86_64 (the emulator): 60, since float graphs fail
@@ -126,32 +126,38 @@ class QnnBackend(OrtBackend):
         started = time.perf_counter()
         if self.cache is None:
             session, source, ctx = self._create(graph_path, weights_path, config), "compiled", None
+            placement = _placement(session)
         else:
-            session, source, ctx = self._load_cached(graph_path, weights_path, config)
-        placement = _placement(session)
-        if not self.options.cpu_fallback and set(placement) != {EP}:  # onnxruntime refuses this; never trust it
-            raise PlacementError(f"{os.path.basename(graph_path)}: nodes placed on {sorted(set(placement) - {EP})} "
+            session, source, ctx, placement = self._load_cached(graph_path, weights_path, config)
+        eps = set(_placement(session)) | set(placement)
+        if not self.options.cpu_fallback and eps != {EP}:  # onnxruntime refuses this; never trust it
+            raise PlacementError(f"{os.path.basename(graph_path)}: nodes placed on {sorted(eps - {EP})} "
                                "although CPU fallback is disabled")
         self.loads.append(LoadRecord(os.path.basename(graph_path), source, time.perf_counter() - started,
                                      placement, ctx))
         return OrtSession(session, name=os.path.basename(graph_path))
 
     def _load_cached(self, graph_path: str, weights_path: str, config):
+        """(session, source, context model, placement of the bundle graph's nodes as compiled)."""
         key = self.cache.key(graph_path, weights_path, self._cache_options(config))
         source = "recompiled" if self.cache.exists(key) else "compiled"
         ctx = self.cache.lookup(key)  # None when absent, or damaged (its digest no longer matches: removed)
-        if ctx:
+        placement = self.cache.placement(key) if ctx else None
+        if ctx and placement:
             try:
-                return self._create(ctx, weights_path, config), "cache", ctx
+                return self._create(ctx, weights_path, config), "cache", ctx, placement
             except BackendError:  # intact file that QNN refuses (e.g. built for another HTP): build it again
-                self.cache.discard(key)
-                source = "recompiled"
+                pass
+        if ctx:  # refused, or its placement record is unreadable
+            self.cache.discard(key)
+            source = "recompiled"
         staged = self.cache.staging(key)
         try:
             session = self._create(graph_path, weights_path, config, context_out=os.path.join(staged, CONTEXT_FILE))
             if not os.path.isfile(os.path.join(staged, CONTEXT_FILE)):
                 raise BackendError(f"onnxruntime-qnn wrote no context binary for {os.path.basename(graph_path)}")
-            return session, source, self.cache.commit(key, staged)
+            placement = _placement(session)
+            return session, source, self.cache.commit(key, staged, placement), placement
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -8,7 +8,9 @@ An entry lives in <cache>/qnn/<key>/ where the key is a digest of everything tha
 file's bytes, the weights file's bytes, the QNN options (backend, SoC model, precision, session config) and the
 onnxruntime / onnxruntime-qnn / QNN SDK versions. A changed bundle or a new wheel therefore never meets an old
 binary. Each entry also stores the SHA-256 of its binary, checked before loading, so a truncated or damaged file
-is recompiled instead of handed to QNN.
+is recompiled instead of handed to QNN. And it stores where onnxruntime placed the graph's nodes when it compiled
+them (a context model's own graph is one EPContext node), so that a load from the cache can still say how many
+of the bundle's nodes run on the HTP.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import tempfile
 
 from .digests import FileDigests, file_digest
 
-CACHE_FORMAT = 1  # bump when the layout of an entry changes
+CACHE_FORMAT = 2  # bump when the layout of an entry changes (2: placement.json)
 CONTEXT_FILE = "graph_ctx.onnx"
 DIGEST_FILE = "graph_ctx.sha256"
+PLACEMENT_FILE = "placement.json"  # {execution provider: nodes} of the compiled graph
 
 
 def default_root() -> str:
@@ -69,10 +72,12 @@ class ContextCache:
         os.makedirs(self.root, exist_ok=True)
         return tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=self.root)
 
-    def commit(self, key: str, staged_dir: str) -> str:
-        """Seal a staged context model with its digest and move it into place in one rename (a crash mid-write
-        leaves only a .tmp directory, never a half entry)."""
+    def commit(self, key: str, staged_dir: str, placement: dict[str, int]) -> str:
+        """Seal a staged context model with its digest and the compiled graph's node placement, and move it into
+        place in one rename (a crash mid-write leaves only a .tmp directory, never a half entry)."""
         ctx = os.path.join(staged_dir, CONTEXT_FILE)
+        with open(os.path.join(staged_dir, PLACEMENT_FILE), "w") as f:
+            json.dump(placement, f)
         with open(os.path.join(staged_dir, DIGEST_FILE), "w") as f:
             f.write(file_digest(ctx))
         final = self.entry(key)
@@ -81,6 +86,17 @@ class ContextCache:
         except OSError:  # another process won the race: its entry is as good as ours
             shutil.rmtree(staged_dir, ignore_errors=True)
         return os.path.join(final, CONTEXT_FILE)
+
+    def placement(self, key: str) -> dict[str, int] | None:
+        """Where the nodes of `key`'s graph were placed when it was compiled; None if that record is unreadable."""
+        try:
+            with open(os.path.join(self.entry(key), PLACEMENT_FILE)) as f:
+                placed = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(placed, dict) and all(isinstance(n, int) for n in placed.values())):
+            return None
+        return placed
 
     def discard(self, key: str) -> None:
         shutil.rmtree(self.entry(key), ignore_errors=True)
