@@ -15,7 +15,7 @@ import onnx
 import pytest
 from conftest import CHUNK
 from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, cpu_gen, qnn_cache,  # noqa: F401
-                      rows_on_qnn, teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
+                      teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -208,7 +208,7 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(qdq_bundle):
         gen.close()
 
 
-def test_tree_and_chain_rows_equal_decode_on_the_htp(qdq_bundle):
+def test_tree_and_chain_rows_equal_decode_on_the_htp(qdq_bundle, monkeypatch):
     """`specedge check --backend qnn --exact-rows`: check's exact-rows comparison (every T-token graph against
     one-token steps; each tree graph also for a spine-plus-leaves tree, row by row against decode along its path)
     on the emulated HTP, logits on the manifest's grid as the runtime reads them: bit for bit, both models. This
@@ -216,15 +216,25 @@ def test_tree_and_chain_rows_equal_decode_on_the_htp(qdq_bundle):
     nodes and names, and calibration gives one range per name), the new K/V at the cache's scale, norms that
     divide by full-width tensors (graphs/llama.py), and the snapping (a step of 8 or more rows dequantizes the
     same uint16 levels 1-2 float32 ulps away from a one-token step)."""
+    from specedge.tools import exact_rows
     from specedge.tools.check import check_bundle
 
+    compared = []  # (model, its per-graph results) as check computed them, in the manifest's order
+    check_model_rows = exact_rows.check_model_rows
+
+    def recording(bundle, model, *args, **kwargs):
+        compared.append((model, check_model_rows(bundle, model, *args, **kwargs)))
+        return compared[-1][1]
+
+    monkeypatch.setattr(exact_rows, "check_model_rows", recording)
     report = check_bundle(qdq_bundle, backend="qnn", exact_rows=True).render()
     assert "FAIL" not in report, report
     multi_token = [g for g in load_manifest(qdq_bundle).target.graphs if g.tokens > 1]
     assert (f"target: exact rows on qnn: {len(multi_token)} graphs compute each row bit for bit as decode does, "
             f"{len(TREES)} of them also a token tree's rows") in report, report
     assert "draft: exact rows on qnn: " in report, report
-    results = rows_on_qnn(qdq_bundle)  # the same comparison, with the numbers
+    (target, results), (draft, _) = compared
+    assert target.layers_of is None and draft.layers_of == "target"
     assert any(r.graph.step_mask and not r.tree for r in results)  # a tree graph's causal-chain comparison ran
     assert [(r.graph.file, r.reference, r.max_diff) for r in results if not r.exact] == []
 
