@@ -193,15 +193,47 @@ async def _sse(job: Job, model: str):
 
 
 def serve_forever(config: ServerConfig, host: str, port: int) -> int:
-    """`specedge serve`: load first (a bad bundle is a one-line error before any socket opens), then run."""
+    """`specedge serve`: load first (a bad bundle is a one-line error before any socket opens), then bind (an
+    address in use is a one-line error before "serving" is announced), then run."""
     import uvicorn
 
     engine = load_engine(config)
+    try:
+        sock = listen(host, port)
+    except BaseException:
+        engine.close()
+        raise
     app = create_app(config, engine)
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
     print(f"specedge: serving {config.model} on http://{host}:{port}/v1 ({engine.gen.target.dims.context}-token "
           f"context, proposer {config.engine.proposer}, gamma {config.engine.gamma})", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         engine.close()
+        sock.close()
     return 0
+
+
+def listen(host: str, port: int):
+    """A socket bound to (host, port) for the server. Bound here rather than by uvicorn, which announces nothing
+    useful when it cannot bind (it logs the error after our "serving" line) and never returns for a port out of
+    range."""
+    import socket
+
+    from ..errors import ServeError
+
+    if not 0 <= port <= 65535:
+        raise ServeError(f"--port must be in 0..65535, not {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}: {e.strerror or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock

@@ -372,7 +372,7 @@ def _add_serve(sub) -> None:
                        "prefix. Request extensions: proposer, gamma, top_k.")
     p.add_argument("bundle")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed at start)")
     p.add_argument("--model-id", default=None, help="the model name clients send (default: the bundle's directory name)")
     p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
                    help="default proposer for requests that name none (default: draft if the bundle has one, else ngram)")
@@ -388,7 +388,7 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(a) -> int:
-    from .errors import GenerationError
+    from .errors import GenerationError, ServeError
     from .graphs.manifest import load_manifest
     from .serve.app import ServerConfig, serve_forever
     from .serve.engine import EngineConfig
@@ -400,6 +400,8 @@ def _run_serve(a) -> int:
                              ("--replicas", a.replicas, 1), ("--session-mb", a.session_mb, 0)):
         if value < low:
             raise GenerationError(f"{name} must be at least {low}")
+    if a.ray and not 1 <= a.port <= 65535:  # serve_forever checks its own (it also takes 0: any free port)
+        raise ServeError(f"--port must be in 1..65535 with --ray, not {a.port}")
     config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,
                                                                        a.session_mb << 20), a.model_id)
     if a.ray:

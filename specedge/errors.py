@@ -30,6 +30,10 @@ class GenerationError(SpecedgeError, ValueError):
     """Bad generation input: prompt too long, bad sampling parameters, unsupported proposer or gamma."""
 
 
+class ServeError(SpecedgeError):
+    """A server that cannot start as asked: an address in use or unknown, a port out of range."""
+
+
 class SessionError(SpecedgeError, ValueError):
     """A session file that is missing, damaged, or belongs to another bundle."""
 

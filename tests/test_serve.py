@@ -4,7 +4,9 @@ The oracle is a separate Generator on the same bundle running plain greedy decod
 (speculation, prefix reuse, concurrency), its greedy text must be that text.
 """
 import json
+import re
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -318,6 +320,47 @@ def test_serve_refuses_a_bad_bundle_before_listening(tmp_path):
     from specedge.cli import main
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
+
+
+def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle):
+    """`specedge serve --port 0` takes a free port and announces it; the server answers there, and an interrupt
+    (Ctrl-C) shuts it down: uvicorn finishes, then raises the signal again, which the CLI turns into its usual
+    "interrupted" and status 130 (128 + SIGINT), not a traceback."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "specedge.cli", "serve", tiny_bundle, "--port", "0",
+                             "--model-id", MODEL, "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 ", line)
+        assert url and not url.group(1).endswith(":0"), line
+        body = {"model": MODEL, "prompt": "t1 t2", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(url.group(1) + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert proc.stderr.read().strip() == "interrupted"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("port, fragment", [(99999, "--port must be in 0..65535, not 99999"),
+                                            (None, "Address already in use")])
+def test_serve_refuses_an_address_it_cannot_listen_on(tiny_bundle, capsys, port, fragment):
+    """One line and status 2, before anything announces that the server is serving (uvicorn itself logged the
+    error after our "serving" line, and never returned for a port out of range)."""
+    from specedge.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["serve", tiny_bundle, "--port", str(port or taken.getsockname()[1])]
+        assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert fragment in err and "serving" not in out, (out, err)
 
 
 @pytest.mark.slow  # starts a local Ray cluster (~20 s)
