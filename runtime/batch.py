@@ -41,8 +41,8 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, StepWidth
-from .generator import (GenerationResult, check_min_new_tokens, check_request, check_speculation, check_vocab,
-                        shares_target_cache)
+from .generator import (GenerationResult, check_min_new_tokens, check_request, check_seed, check_speculation,
+                        check_vocab, shares_target_cache)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
@@ -119,6 +119,7 @@ class BatchRunner:
         prompt = [int(t) for t in prompt]
         params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
         check_min_new_tokens(min_new_tokens)
+        check_seed(seed)
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is busy")
         self.warm(gamma if proposer != "none" else 0)
@@ -427,6 +428,8 @@ class BatchGenerator:
         prompts = [[int(t) for t in p] for p in prompts]
         runner = self.runner
         runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p)  # before any row starts
+        check_min_new_tokens(min_new_tokens)
+        check_seed(seed)
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
         self.target.reset()
         waiting = list(range(len(prompts)))

@@ -169,6 +169,7 @@ class Generator:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)
+        check_seed(seed)
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
@@ -330,6 +331,13 @@ def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: i
 def check_min_new_tokens(min_new_tokens) -> None:
     if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
         raise GenerationError(f"min_new_tokens must be an int >= 0 (0 = off), not {min_new_tokens!r}")
+
+
+def check_seed(seed) -> None:
+    """None (fresh entropy) or an int >= 0, which numpy's generators take; a negative one raised deep inside
+    numpy."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise GenerationError(f"seed must be an int >= 0 (or left out), not {seed!r}")
 
 
 def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma: int) -> None:

@@ -376,6 +376,7 @@ def test_held_back_stop_ids_end_each_rows_verified_drafts(gens, monkeypatch):
     ({"prompts": [[5]], "proposer": "lookahead"}, "unknown proposer 'lookahead'; choose one of draft, ngram, none"),
     ({"prompts": [[5]], "gamma": 3}, "gamma 3 has no verify graph"),
     ({"prompts": [[5]], "temperature": -1.0}, "temperature"),
+    ({"prompts": [[5]], "temperature": 1.0, "seed": -3}, "seed must be an int >= 0 \\(or left out\\), not -3"),
     ({"prompts": [[5] * 200]}, "context holds 128"),
 ])
 def test_bad_batches_are_one_clear_error(gens, kwargs, match):
