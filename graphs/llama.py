@@ -89,6 +89,13 @@ class LlamaConfig:
                 f"sliding_window {self.sliding_window} is smaller than --context {context}; sliding-window "
                 f"attention is not supported (export with --context <= {self.sliding_window})")
         rope_inv_freq(self, context)  # raises on unsupported rope scaling
+        scaling = dict(self.rope_scaling or {})
+        stretch = scaling.get("factor", 1.0) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
+        trained = int(self.max_position_embeddings * stretch)  # 0: the source does not say
+        if trained and context > trained:
+            # Positions past it were never trained: the output degrades while the KV buffers grow with --context.
+            raise UnsupportedModel(f"--context {context} is longer than the {trained} positions the model was "
+                                   f"trained for (max_position_embeddings); export with --context <= {trained}")
 
 
 def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:

@@ -45,7 +45,7 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
     config_cls, model_cls = (getattr(tf, n) for n in classes[family])
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=1, pad_token_id=0)
     if family == "qwen3":
         kwargs["head_dim"] = hidden // heads

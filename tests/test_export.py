@@ -226,7 +226,8 @@ def _gguf_with_unreadable_tensor(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "no_config", "unsupported_arch", "bad_gguf_type", "small_context",
-                                  "gamma_zero", "bad_draft_layers", "both_drafts", "vocab_mismatch"])
+                                  "untrained_context", "unwritable_out", "gamma_zero", "bad_draft_layers",
+                                  "both_drafts", "vocab_mismatch"])
 def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_path):
     llama = tiny_models["llama"][0]
     out = tmp_path / "out"
@@ -235,6 +236,8 @@ def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_p
             "unsupported_arch": ["--target", _unsupported_dir(tmp_path)],
             "bad_gguf_type": ["--target", _gguf_with_unreadable_tensor(tmp_path)] if case == "bad_gguf_type" else [],
             "small_context": ["--target", llama, "--context", "32", "--prefill-chunk", "32"],
+            "untrained_context": ["--target", llama, "--context", "8192"],
+            "unwritable_out": ["--target", llama],
             "gamma_zero": ["--target", llama, "--gamma", "0,4"],
             "bad_draft_layers": ["--target", llama, "--draft-layers", "3"],
             "both_drafts": ["--target", llama, "--draft", tiny_draft_model[0], "--draft-layers", "1"],
@@ -251,8 +254,13 @@ def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_p
     expected = {"missing": "not found", "no_config": "without config.json",
                 "unsupported_arch": "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
                 "bad_gguf_type": "Q8_1", "small_context": "must be larger than --prefill-chunk",
+                "untrained_context": "--context 8192 is longer than the 4096 positions the model was trained for",
+                "unwritable_out": "cannot write a bundle at ",
                 "gamma_zero": "at least 1", "bad_draft_layers": "below the target's 3 layers",
                 "both_drafts": "not both", "vocab_mismatch": "differ at id 5"}[case]
+    if case == "unwritable_out":  # a folder inside a file: no permission bits involved (tests may run as root)
+        (tmp_path / "a_file").write_text("")
+        out = tmp_path / "a_file" / "out"
     r = specedge("export", *args, "--out", str(out), "--quiet")
     assert r.returncode == 2, r.stdout + r.stderr
     assert expected in r.stderr
