@@ -50,6 +50,16 @@ def test_bad_prompt_files(tiny_bundle, tmp_path, content, expected):
     assert expected.replace("\\", "") in r.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--gamma", "0,4"], "--gamma values must be at least 1, not 0"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_bad_options(tiny_bundle, prompts, args, expected):
+    r = bench(tiny_bundle, "--prompts", prompts, *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert expected in r.stderr, r.stderr
+
+
 def test_compare_with_a_missing_peer_names_the_extra(tiny_bundle, prompts, tiny_models):
     block = ("import sys\nclass B:\n    def find_spec(self, n, p=None, t=None):\n"
              "        if n.split('.')[0] == 'onnxruntime_genai': raise ImportError('blocked')\n"

@@ -223,6 +223,8 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
 
     if repeats < 1:
         raise BenchError("--repeats must be at least 1")
+    if any(g < 1 for g in gammas):  # (gamma 0 ran as gamma 4 under the name g=0)
+        raise BenchError(f"--gamma values must be at least 1, not {min(gammas)}")
     prompts = load_prompts(prompts_path)
     if kinds:
         prompts = [p for p in prompts if p["kind"] in kinds]
