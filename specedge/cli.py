@@ -321,8 +321,14 @@ def _add_bench(sub) -> None:
 def _run_bench(a) -> int:
     import json
 
-    from .tools.bench import render_round_breakdown, render_table, run_bench, write_plot
+    import os
 
+    from .tools.bench import BenchError, render_round_breakdown, render_table, run_bench, write_plot
+
+    for option, path in (("--json", a.json), ("--plot", a.plot)):  # before the runs, not after them
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise BenchError(f"{option} {path}: cannot write into {folder} (missing or not writable)")
     result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
                        max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
                        limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma,

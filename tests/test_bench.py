@@ -53,6 +53,8 @@ def test_bad_prompt_files(tiny_bundle, tmp_path, content, expected):
 @pytest.mark.parametrize("args, expected", [
     (["--gamma", "0,4"], "--gamma values must be at least 1, not 0"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--json", "/nonexistent/r.json"], "--json /nonexistent/r.json: cannot write into /nonexistent"),
+    (["--plot", "/nonexistent/p.png"], "--plot /nonexistent/p.png: cannot write into /nonexistent"),
 ])
 def test_bad_options(tiny_bundle, prompts, args, expected):
     r = bench(tiny_bundle, "--prompts", prompts, *args)
