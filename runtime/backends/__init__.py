@@ -23,6 +23,7 @@ H200 with tools/gpu_check.py (benchmarks/gpu/README.md), `tensorrt` never.
 from __future__ import annotations
 
 import mmap
+import numbers
 import os
 
 import numpy as np
@@ -140,6 +141,9 @@ def trim_heap() -> None:
 def create_backend(name: str = "cpu", threads: int | None = None):
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1):
+        # onnxruntime reads 0 as its own default and quietly runs a negative count as that default too
+        raise BackendError(f"threads must be at least 1, not {threads!r}")
     import importlib.util
 
     if importlib.util.find_spec("onnxruntime") is None:  # found, not imported: the C API path needs no Python API
