@@ -42,7 +42,7 @@ from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, StepWidth
 from .generator import (GenerationResult, check_min_new_tokens, check_request, check_seed, check_speculation,
-                        check_vocab, shares_target_cache)
+                        check_vocab, shares_target_cache, token_ids)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
@@ -116,7 +116,7 @@ class BatchRunner:
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
-        prompt = [int(t) for t in prompt]
+        prompt = token_ids(prompt)
         params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
@@ -425,7 +425,7 @@ class BatchGenerator:
         rows as it can. Prompt i samples with seed + i."""
         if not prompts:
             raise GenerationError("no prompts")
-        prompts = [[int(t) for t in p] for p in prompts]
+        prompts = [token_ids(p, f" {i}") for i, p in enumerate(prompts)]
         runner = self.runner
         runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p)  # before any row starts
         check_min_new_tokens(min_new_tokens)

@@ -90,6 +90,8 @@ class Generator:
     def _validate(self, prompt_ids, max_new_tokens, proposer, gamma, tree: int = 0) -> None:
         check_request([prompt_ids], self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
+        if not _is_int(tree):
+            raise GenerationError(f"tree must be an int (0 = chains), not {tree!r}")
         if tree and proposer != "none":
             trees = self.manifest.target.tree_tokens()
             if tree not in trees:
@@ -166,7 +168,7 @@ class Generator:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         except ValueError as e:
             raise GenerationError(str(e)) from None
-        prompt = [int(t) for t in prompt_ids]
+        prompt = token_ids(prompt_ids)
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
@@ -324,8 +326,27 @@ def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: i
         bad = [t for t in prompt if not 0 <= int(t) < V]
         if bad:
             raise GenerationError(f"prompt{which} token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+    if not _is_int(max_new_tokens):
+        raise GenerationError(f"max_new_tokens must be an int, not {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def token_ids(prompt_ids, which: str = "") -> list[int]:
+    """A prompt as a list of ints; a string (text where ids belong) or a non-integer id is a GenerationError
+    (int() would read "12" as a token and truncate 1.5 to 1)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise GenerationError(f"the prompt{which} must be token ids, not text: encode it with the generator's "
+                              "tokenizer (tokenizer.encode or apply_chat_template)")
+    ids = list(prompt_ids)
+    bad = [t for t in ids if not _is_int(t)]
+    if bad:
+        raise GenerationError(f"the prompt{which} must be integer token ids; it holds {bad[0]!r}")
+    return [int(t) for t in ids]
 
 
 def check_min_new_tokens(min_new_tokens) -> None:
@@ -349,6 +370,8 @@ def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma:
         raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
                               "--draft-layers), or use --proposer ngram")
     if proposer != "none":
+        if not _is_int(gamma):
+            raise GenerationError(f"gamma must be an int, not {gamma!r}")
         check_gamma(manifest, gamma)
 
 

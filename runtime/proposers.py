@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import GenerationError
 from .model import ModelRunner
 from .sampling import (SamplingParams, emittable_drafts, emittable_nodes, greedy_token, hold_back, probs_from_logits,
                        sample_token)
@@ -112,7 +113,7 @@ class NgramProposer:
 
     def __init__(self, n_min: int = NGRAM_SIZES[0], n_max: int = NGRAM_SIZES[1]):
         if not 1 <= n_min <= n_max:
-            raise ValueError(f"ngram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
+            raise GenerationError(f"ngram sizes must satisfy 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max = n_min, n_max
 
     def start(self, prompt: list[int], reuse: bool = False) -> None:

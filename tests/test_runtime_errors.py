@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from conftest import CHUNK
 
+from specedge.errors import GenerationError
+from specedge.runtime.generator import Generator
+
 
 def generate(bundle, *args):
     return subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, *args], capture_output=True,
@@ -42,6 +45,26 @@ def test_bad_generation_input(tiny_bundle, args, expected):
         assert_clean_error(r, expected)
     else:
         assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, kwargs, expected", [
+    (("t5 t6", 4), {}, "the prompt must be token ids, not text"),
+    (([5, 6.5], 4), {}, "the prompt must be integer token ids; it holds 6.5"),
+    (([5, 6], 4.0), {}, "max_new_tokens must be an int, not 4.0"),
+    (([5, 6], 4), {"proposer": "ngram", "gamma": "4"}, "gamma must be an int, not '4'"),
+    (([5, 6], 4), {"proposer": "ngram", "tree": "9"}, "tree must be an int (0 = chains), not '9'"),
+    (([5, 6], 4), {"proposer": "ngram", "ngram": (0, 2)}, "ngram sizes must satisfy 1 <= n_min <= n_max"),
+])
+def test_bad_api_input_is_a_generation_error(tiny_bundle, args, kwargs, expected):
+    """The embedded runtime's bad arguments are GenerationErrors (ValueErrors) saying what is wrong, not a
+    TypeError from deep inside the loop or a silent int() of a float or of text."""
+    gen = Generator.load(tiny_bundle)
+    try:
+        with pytest.raises(GenerationError) as raised:
+            gen.generate(*args, **kwargs)
+        assert expected in str(raised.value)
+    finally:
+        gen.close()
 
 
 def test_draft_proposer_needs_a_draft(tiny_models, tmp_path):
