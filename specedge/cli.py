@@ -126,8 +126,11 @@ def _add_check(sub) -> None:
 
 
 def _run_check(a) -> int:
+    from .errors import SpecedgeError
     from .tools.check import check_bundle
 
+    if a.no_load and a.exact_rows:
+        raise SpecedgeError("--exact-rows runs the graphs, which --no-load leaves out: drop one of them")
     report = check_bundle(a.bundle, load=not a.no_load, backend=a.backend, exact_rows=a.exact_rows)
     print(report.render())
     return 0 if report.ok else 1

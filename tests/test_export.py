@@ -66,6 +66,12 @@ def test_check_passes_on_a_good_bundle(tiny_bundle):
     assert "target: exact rows:" in r.stdout and "draft: exact rows:" in r.stdout
 
 
+def test_check_refuses_exact_rows_without_loading(tiny_bundle):
+    r = specedge("check", tiny_bundle, "--no-load", "--exact-rows")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--exact-rows runs the graphs, which --no-load leaves out" in r.stderr, r.stderr
+
+
 def test_check_compares_rows_with_the_masked_decode_graph_of_a_step_mask_bundle(tiny_models, tmp_path):
     """With --step-mask every step graph takes a mask, the one-token one too: check's exact rows compares
     with that graph (fed a causal mask), as the runtime decodes with it. It used to find no reference
