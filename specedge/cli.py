@@ -35,7 +35,8 @@ def _add_export(sub) -> None:
                    help="instead of --draft: a self-speculative draft made of the target's first N layers, final "
                    "norm and LM head, reusing the target's weights file (the runtime also lets it read the target's KV cache)")
     p.add_argument("--out", required=True, metavar="BUNDLE", help="output directory (must not exist, see --force)")
-    p.add_argument("--context", type=int, default=1024, help="cache slots S per sequence (default 1024)")
+    p.add_argument("--context", type=int, default=1024,
+                   help="cache slots S per sequence (default 1024; at most the positions the model was trained for)")
     p.add_argument("--gamma", type=_ints, default=[1, 2, 4, 8], metavar="G1,G2",
                    help="draft lengths to export verify graphs (T=gamma+1) for (default 1,2,4,8)")
     p.add_argument("--prefill-chunk", type=int, default=64,
