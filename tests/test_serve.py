@@ -329,9 +329,11 @@ def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle)
     import signal
     import subprocess
 
+    # A child inherits an ignored SIGINT, and something earlier in the suite leaves the test process ignoring it
+    # (then uvicorn's re-raised signal is ignored too and the server exits 0): start it as a shell would.
     proc = subprocess.Popen([sys.executable, "-m", "specedge.cli", "serve", tiny_bundle, "--port", "0",
                              "--model-id", MODEL, "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         url = re.search(r"on (http://127\.0\.0\.1:\d+)/v1 ", line)
