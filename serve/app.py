@@ -216,9 +216,9 @@ def serve_forever(config: ServerConfig, host: str, port: int) -> int:
 
 
 def listen(host: str, port: int):
-    """A socket bound to (host, port) for the server. Bound here rather than by uvicorn, which announces nothing
-    useful when it cannot bind (it logs the error after our "serving" line) and never returns for a port out of
-    range."""
+    """A socket bound to (host, port) and listening, for the server. Bound here rather than by uvicorn, which
+    announces nothing useful when it cannot bind (it logs the error after our "serving" line) and never returns
+    for a port out of range."""
     import socket
 
     from ..errors import ServeError
@@ -233,6 +233,9 @@ def listen(host: str, port: int):
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
         sock.bind(address)
+        # Listening now, before "serving" is announced: a client that connects before uvicorn's loop starts
+        # waits in the backlog instead of being refused (seen in CI under load).
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError as e:
         sock.close()
         raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

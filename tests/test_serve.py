@@ -323,16 +323,22 @@ def test_serve_refuses_a_bad_bundle_before_listening(tmp_path):
 
 
 def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle):
-    """`specedge serve --port 0` takes a free port and announces it; the server answers there, and an interrupt
-    (Ctrl-C) shuts it down: uvicorn finishes, then raises the signal again, which the CLI turns into its usual
-    "interrupted" and status 130 (128 + SIGINT), not a traceback."""
+    """`specedge serve --port 0` takes a free port and announces it, listening already: a client that connects
+    at once is served even when uvicorn's loop starts late (here 2 s after the announcement; in CI under load a
+    client was refused when the socket was only bound). An interrupt (Ctrl-C) shuts it down: uvicorn finishes,
+    then raises the signal again, which the CLI turns into its usual "interrupted" and status 130 (128 +
+    SIGINT), not a traceback."""
     import signal
     import subprocess
 
+    late_start = ("import sys, time, uvicorn\nrun = uvicorn.Server.run\n"
+                  "uvicorn.Server.run = lambda *a, **k: time.sleep(2) or run(*a, **k)\n"
+                  "from specedge.cli import main\n"
+                  f"sys.exit(main(['serve', {tiny_bundle!r}, '--port', '0', '--model-id', {MODEL!r},"
+                  " '--threads', '1']))")
     # A child inherits an ignored SIGINT, and something earlier in the suite leaves the test process ignoring it
     # (then uvicorn's re-raised signal is ignored too and the server exits 0): start it as a shell would.
-    proc = subprocess.Popen([sys.executable, "-m", "specedge.cli", "serve", tiny_bundle, "--port", "0",
-                             "--model-id", MODEL, "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", late_start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
