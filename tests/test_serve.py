@@ -336,8 +336,8 @@ def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle)
                   "from specedge.cli import main\n"
                   f"sys.exit(main(['serve', {tiny_bundle!r}, '--port', '0', '--model-id', {MODEL!r},"
                   " '--threads', '1']))")
-    # A child inherits an ignored SIGINT, and something earlier in the suite leaves the test process ignoring it
-    # (then uvicorn's re-raised signal is ignored too and the server exits 0): start it as a shell would.
+    # A child inherits an ignored SIGINT (a test process started in the background ignores it: then uvicorn's
+    # re-raised signal is ignored too and the server exits 0): start it with the default, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-c", late_start], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
