@@ -30,7 +30,7 @@ from .draft_length import DraftLength, TreeChoice
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
-from .sampling import SamplingParams, hold_back, probs_from_logits
+from .sampling import SamplingParams, hold_back, is_int, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
 
@@ -90,7 +90,7 @@ class Generator:
     def _validate(self, prompt_ids, max_new_tokens, proposer, gamma, tree: int = 0) -> None:
         check_request([prompt_ids], self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
-        if not _is_int(tree):
+        if not is_int(tree):
             raise GenerationError(f"tree must be an int (0 = chains), not {tree!r}")
         if tree and proposer != "none":
             trees = self.manifest.target.tree_tokens()
@@ -326,14 +326,10 @@ def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: i
         bad = [t for t in prompt if not 0 <= int(t) < V]
         if bad:
             raise GenerationError(f"prompt{which} token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-    if not _is_int(max_new_tokens):
+    if not is_int(max_new_tokens):
         raise GenerationError(f"max_new_tokens must be an int, not {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def token_ids(prompt_ids, which: str = "") -> list[int]:
@@ -343,21 +339,21 @@ def token_ids(prompt_ids, which: str = "") -> list[int]:
         raise GenerationError(f"the prompt{which} must be token ids, not text: encode it with the generator's "
                               "tokenizer (tokenizer.encode or apply_chat_template)")
     ids = list(prompt_ids)
-    bad = [t for t in ids if not _is_int(t)]
+    bad = [t for t in ids if not is_int(t)]
     if bad:
         raise GenerationError(f"the prompt{which} must be integer token ids; it holds {bad[0]!r}")
     return [int(t) for t in ids]
 
 
 def check_min_new_tokens(min_new_tokens) -> None:
-    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, (int, np.integer)) or min_new_tokens < 0:
+    if not is_int(min_new_tokens) or min_new_tokens < 0:
         raise GenerationError(f"min_new_tokens must be an int >= 0 (0 = off), not {min_new_tokens!r}")
 
 
 def check_seed(seed) -> None:
     """None (fresh entropy) or an int >= 0, which numpy's generators take; a negative one raised deep inside
     numpy."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+    if seed is not None and (not is_int(seed) or seed < 0):
         raise GenerationError(f"seed must be an int >= 0 (or left out), not {seed!r}")
 
 
@@ -370,7 +366,7 @@ def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma:
         raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
                               "--draft-layers), or use --proposer ngram")
     if proposer != "none":
-        if not _is_int(gamma):
+        if not is_int(gamma):
             raise GenerationError(f"gamma must be an int, not {gamma!r}")
         check_gamma(manifest, gamma)
 

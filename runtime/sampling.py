@@ -20,7 +20,8 @@ def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
+    """An integer (Python or numpy), not a bool: what every count and id argument of the runtime takes."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
@@ -39,7 +40,7 @@ class SamplingParams:
         t, k, p = self.temperature, self.top_k, self.top_p
         if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not _is_int(k) or k < 0:
+        if not is_int(k) or k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
         if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a finite number in (0, 1] (1 = off), got {p!r}")
