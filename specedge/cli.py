@@ -1,4 +1,4 @@
-"""The `specedge` command: export, check, generate, bench, demo, serve, loadtest.
+"""The `specedge` command: export, check, generate, bench, demo, serve, loadtest, cache.
 
 Each subcommand imports what it needs lazily, so `specedge generate` runs with only numpy + onnxruntime.
 Errors a user can cause print one line and exit 2; a traceback means a bug in specedge.
@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from .errors import exit_status
-from .tools import loadtest
+from .tools import cache, loadtest
 
 
 def _ints(text: str) -> list[int]:
@@ -432,11 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_serve(sub)
     loadtest.add_parser(sub)
+    cache.add_parser(sub)
     return parser
 
 
 COMMANDS = {"export": _run_export, "check": _run_check, "generate": _run_generate, "bench": _run_bench,
-            "demo": _run_demo, "serve": _run_serve, "loadtest": loadtest.run}
+            "demo": _run_demo, "serve": _run_serve, "loadtest": loadtest.run,
+            "cache": cache.run}
 
 
 def main(argv: list[str] | None = None) -> int:

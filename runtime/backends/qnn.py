@@ -157,7 +157,7 @@ class QnnBackend(OrtBackend):
             if not os.path.isfile(os.path.join(staged, CONTEXT_FILE)):
                 raise BackendError(f"onnxruntime-qnn wrote no context binary for {os.path.basename(graph_path)}")
             placement = _placement(session)
-            return session, source, self.cache.commit(key, staged, placement), placement
+            return session, source, self.cache.commit(key, staged, placement, graph_path), placement
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

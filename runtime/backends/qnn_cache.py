@@ -10,7 +10,8 @@ onnxruntime / onnxruntime-qnn / QNN SDK versions. A changed bundle or a new whee
 binary. Each entry also stores the SHA-256 of its binary, checked before loading, so a truncated or damaged file
 is recompiled instead of handed to QNN. And it stores where onnxruntime placed the graph's nodes when it compiled
 them (a context model's own graph is one EPContext node), so that a load from the cache can still say how many
-of the bundle's nodes run on the HTP.
+of the bundle's nodes run on the HTP, and which graph it was made from (for `specedge cache list`). A lookup marks
+the entry used, so `specedge cache prune` removes the least recently used entries first.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import shutil
 import tempfile
 
+from ...tools.cache import mark_used, record_source
 from .digests import FileDigests, file_digest
 
 CACHE_FORMAT = 2  # bump when the layout of an entry changes (2: placement.json)
@@ -65,6 +67,7 @@ class ContextCache:
         if not ok:
             self.discard(key)
             return None
+        mark_used(d)
         return ctx
 
     def staging(self, key: str) -> str:
@@ -72,7 +75,7 @@ class ContextCache:
         os.makedirs(self.root, exist_ok=True)
         return tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=self.root)
 
-    def commit(self, key: str, staged_dir: str, placement: dict[str, int]) -> str:
+    def commit(self, key: str, staged_dir: str, placement: dict[str, int], source: str | None = None) -> str:
         """Seal a staged context model with its digest and the compiled graph's node placement, and move it into
         place in one rename (a crash mid-write leaves only a .tmp directory, never a half entry)."""
         ctx = os.path.join(staged_dir, CONTEXT_FILE)
@@ -80,6 +83,8 @@ class ContextCache:
             json.dump(placement, f)
         with open(os.path.join(staged_dir, DIGEST_FILE), "w") as f:
             f.write(file_digest(ctx))
+        if source is not None:
+            record_source(staged_dir, source)
         final = self.entry(key)
         try:
             os.rename(staged_dir, final)
