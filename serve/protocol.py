@@ -13,6 +13,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..runtime.sampling import is_int
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 
@@ -80,17 +82,17 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     else:
         prompt = _prompt(body.get("prompt"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
         raise RequestError("max_tokens must be a positive integer", param="max_tokens")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be in (0, 1]", param="top_p")
     top_k = body.get("top_k", 0)
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise RequestError("top_k must be a non-negative integer (0 = no limit)", param="top_k")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or seed < 0):
+    if seed is not None and (not is_int(seed) or seed < 0):
         raise RequestError("seed must be a non-negative integer", param="seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -107,17 +109,13 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     if proposer is not None and proposer not in ("none", "ngram", "draft"):
         raise RequestError("proposer must be 'none', 'ngram' or 'draft'", param="proposer")
     gamma = body.get("gamma")
-    if gamma is not None and (not _is_int(gamma) or gamma < 1):
+    if gamma is not None and (not is_int(gamma) or gamma < 1):
         raise RequestError("gamma must be a positive integer", param="gamma")
     min_tokens = body.get("min_tokens", 0)
-    if not _is_int(min_tokens) or min_tokens < 0:
+    if not is_int(min_tokens) or min_tokens < 0:
         raise RequestError("min_tokens must be a non-negative integer", param="min_tokens")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -153,7 +151,7 @@ def _prompt(prompt) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
     raise RequestError("prompt must be a non-empty string or a list of token ids (one prompt per request)",
                        param="prompt")
