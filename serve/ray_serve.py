@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from ..errors import BackendError
-from .app import ServerConfig, create_app, load_engine
+from .app import ServerConfig, create_app, listen, load_engine
 
 
 def build_replica_app(config: ServerConfig):
@@ -53,6 +53,9 @@ def stop() -> None:
 
 
 def serve_with_ray(config: ServerConfig, host: str, port: int, replicas: int) -> int:
+    # Ray's proxy binds the port in its own actor, and an address it cannot take is only logged there: try it
+    # here first, so that an address in use or unknown is one clear error before Ray starts.
+    listen(host, port).close()
     start(config, host, port, replicas)
     print(f"specedge: serving {config.model} through Ray Serve ({replicas} replicas) on http://{host}:{port}/v1",
           flush=True)

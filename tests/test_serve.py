@@ -355,20 +355,26 @@ def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle)
         proc.wait()
 
 
-@pytest.mark.parametrize("port, fragment", [(99999, "--port must be in 0..65535, not 99999"),
-                                            (None, "Address already in use")])
-def test_serve_refuses_an_address_it_cannot_listen_on(tiny_bundle, capsys, port, fragment):
+@pytest.mark.parametrize("port, ray, fragment", [(99999, False, "--port must be in 0..65535, not 99999"),
+                                                 (None, False, "Address already in use"),
+                                                 (0, True, "--port must be in 1..65535 with --ray, not 0"),
+                                                 (None, True, "Address already in use")])
+def test_serve_refuses_an_address_it_cannot_listen_on(tiny_bundle, capsys, port, ray, fragment):
     """One line and status 2, before anything announces that the server is serving (uvicorn itself logged the
-    error after our "serving" line, and never returned for a port out of range)."""
+    error after our "serving" line, and never returned for a port out of range), and with --ray before Ray
+    starts (its proxy only logs an address it cannot take)."""
+    import ray as ray_module
+
     from specedge.cli import main
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        args = ["serve", tiny_bundle, "--port", str(port or taken.getsockname()[1])]
-        assert main(args) == 2
+        args = ["serve", tiny_bundle, "--port", str(taken.getsockname()[1] if port is None else port)]
+        assert main(args + ["--ray"] * ray) == 2
     out, err = capsys.readouterr()
     assert fragment in err and "serving" not in out, (out, err)
+    assert not ray_module.is_initialized()
 
 
 @pytest.mark.slow  # starts a local Ray cluster (~20 s)
