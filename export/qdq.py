@@ -120,6 +120,7 @@ class _RecordingSession:
 class _RecordingBackend:
     def __init__(self, backend, samples: dict):
         self._backend = backend
+        self.name = backend.name
         self.samples = samples  # (graph file name) -> [feeds]
 
     def load(self, graph_path, weights_path, prepack=True, config=None):

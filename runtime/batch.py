@@ -41,6 +41,7 @@ from ..graphs.manifest import load_manifest, read_index, weights_index_file
 from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, StepWidth
+from .exactness import warn_if_unverified
 from .generator import (GenerationResult, check_min_new_tokens, check_request, check_seed, check_speculation,
                         check_vocab, shares_target_cache, token_ids)
 from .kv_cache import SharedKVCache
@@ -104,6 +105,8 @@ class BatchRunner:
             raise GenerationError(str(e)) from None
         check_request(prompts, self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
+        if proposer != "none":
+            warn_if_unverified(self.manifest, self.target.backend_name, self.target.bundle_dir)
         return params
 
     def free_row(self, prompt: list[int]) -> int | None:

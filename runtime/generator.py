@@ -27,6 +27,7 @@ from .tree import TreeLayout, spine_length
 from .tree_acceptance import accept_tree, accept_tree_greedy
 from .backends import create_backend
 from .draft_length import DraftLength, TreeChoice
+from .exactness import warn_if_unverified
 from .model import ModelRunner
 from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
@@ -90,6 +91,8 @@ class Generator:
     def _validate(self, prompt_ids, max_new_tokens, proposer, gamma, tree: int = 0) -> None:
         check_request([prompt_ids], self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
+        if proposer != "none":
+            warn_if_unverified(self.manifest, self.backend.name, self.bundle_dir)
         if not is_int(tree):
             raise GenerationError(f"tree must be an int (0 = chains), not {tree!r}")
         if tree and proposer != "none":

@@ -96,8 +96,9 @@ class ModelRunner:
         self.entry = entry
         self.dims = entry.dims
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
-        self._dir = bundle_dir
+        self.bundle_dir = bundle_dir
         self._backend = backend
+        self.backend_name = backend.name
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
         self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
@@ -129,11 +130,11 @@ class ModelRunner:
         return self._steps[key]
 
     def _load(self, graph: GraphEntry):
-        path = os.path.join(self._dir, graph.file)
+        path = os.path.join(self.bundle_dir, graph.file)
         if not os.path.isfile(path):
             raise BundleError(f"graph file missing: {path}")
         try:
-            return self._backend.load(path, os.path.join(self._dir, self.entry.weights), config=self.entry.session_config)
+            return self._backend.load(path, os.path.join(self.bundle_dir, self.entry.weights), config=self.entry.session_config)
         except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
             raise
         except BackendError as e:

@@ -38,9 +38,22 @@ class SessionError(SpecedgeError, ValueError):
     """A session file that is missing, damaged, or belongs to another bundle."""
 
 
+class SpecedgeWarning(UserWarning):
+    """Something a user should know that does not stop the run; the CLI prints it as one line."""
+
+
 def exit_status(command: str, run: Callable[[], int]) -> int:
     """Run a command-line entry point: a SpecedgeError becomes one line on stderr and status 2, an interrupt
-    status 130, never a traceback."""
+    status 130, never a traceback; a SpecedgeWarning is one line on stderr."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SpecedgeWarning):
+            print(f"specedge {command}: warning: {message}", file=sys.stderr)
+        else:
+            python_show(message, category, filename, lineno, file, line)
+
+    python_show, warnings.showwarning = warnings.showwarning, show
     try:
         return run()
     except SpecedgeError as e:
@@ -49,3 +62,5 @@ def exit_status(command: str, run: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = python_show

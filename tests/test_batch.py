@@ -393,7 +393,7 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
     g1, g3 = gens
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS[:2]) + "\n")
-    bundle = g3.target._dir
+    bundle = g3.target.bundle_dir
     r = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path),
                         "--max-new-tokens", "12", "--proposer", "ngram", "--gamma", "4"],
                        capture_output=True, text=True)

@@ -1,0 +1,53 @@
+"""Where greedy speculation is known to be exact: the graph flavours, dtypes and backends whose verify rows equal
+decode rows bit for bit (position consistency, docs/bundle.md), as `specedge check --exact-rows` measures and the
+test suite asserts.
+
+Elsewhere a verify step may round a row differently from a decode step, and at a near tie speculative output can
+then differ from plain output (sampled output is then drawn from slightly other probabilities). The runtime still
+runs there, and says so once per process: an `InexactRowsWarning`, which the CLI prints as one line.
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..errors import SpecedgeWarning
+from ..graphs.manifest import Manifest
+
+
+class InexactRowsWarning(SpecedgeWarning):
+    """Speculation on a backend where the bundle's verify rows are not known to equal decode rows bit for bit."""
+
+
+ONNXRUNTIME_CPU = ("cpu", "ort")  # the C API and the Python API over onnxruntime's CPU kernels
+
+
+def flavour(manifest: Manifest) -> str:
+    return manifest.export.get("flavour") or "portable"
+
+
+def unverified_rows(manifest: Manifest, backend: str) -> str | None:
+    """None where the target's rows are verified exact on `backend`; else what is known there, for a message."""
+    kind, dtype = flavour(manifest), manifest.target.dims.dtype
+    if backend in ONNXRUNTIME_CPU:
+        if kind == "portable" and dtype == "float32":  # quantized bundles included: their graphs compute float32
+            return None
+        if kind == "qnn-qdq16":
+            return "qnn-qdq16 graphs are for the HTP; onnxruntime's CPU kernels for them round rows differently"
+        return ("float16 graphs on onnxruntime's CPU kernels: a verify row was measured 1-2 float16 ulps from "
+                "decode's; a float32 bundle is exact on the CPU")
+    if backend == "qnn":
+        if kind in ("qnn-fp16", "qnn-qdq16"):
+            return None
+        return ("the portable flavour on the HTP: rows measured about 1e-3 apart on a tiny model; export with "
+                "--for qnn or --for qnn-qdq16 for exact rows there")
+    return f"rows on {backend} are not checked by the test suite (no GPU in CI)"
+
+
+def warn_if_unverified(manifest: Manifest, backend: str, bundle: str) -> None:
+    """Say once per process (per bundle and backend) that speculation may not be exact here."""
+    why = unverified_rows(manifest, backend)
+    if why is None:
+        return
+    warnings.warn(f"speculation on backend {backend} is not known to be exact for this bundle: {why}. At a near "
+                  f"tie its output can differ from plain decode; `specedge check {bundle} --backend {backend} "
+                  f"--exact-rows` measures its rows", InexactRowsWarning, stacklevel=2)

@@ -1,0 +1,102 @@
+"""Speculation where a bundle's verify rows are not known to equal decode rows bit for bit (runtime/exactness.py)
+runs, and says so once: float16 graphs on onnxruntime's CPU kernels, the portable flavour on QNN, backends the
+suite cannot run. Where the suite proves the rows exact (float32 on the CPU, the QNN flavours on QNN), nothing."""
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+from conftest import CHUNK
+
+from specedge.cli import main
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.graphs.manifest import load_manifest
+from specedge.runtime.batch import BatchGenerator
+from specedge.runtime.exactness import InexactRowsWarning, unverified_rows
+from specedge.runtime.generator import Generator
+
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
+
+
+@pytest.fixture(scope="module")
+def fp16_bundles(tiny_models, tmp_path_factory):
+    """The tiny llama as float16 graphs, batch 1 and batch 2, and in the qnn-fp16 flavour."""
+    root = tmp_path_factory.mktemp("fp16")
+    out = {}
+    for name, options in (("b1", {}), ("b2", {"batch": 2}), ("qnn-fp16", {"flavour": "qnn-fp16"})):
+        out[name] = str(root / name)
+        export_bundle(tiny_models["llama"][0], out[name], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,),
+                                                                        dtype="float16", **options), progress=False)
+    return out
+
+
+def _manifest(flavour: str, dtype: str) -> SimpleNamespace:
+    """What unverified_rows reads of a manifest."""
+    return SimpleNamespace(export={"flavour": flavour}, target=SimpleNamespace(dims=SimpleNamespace(dtype=dtype)))
+
+
+@pytest.mark.parametrize("flavour,dtype,backend,verified", [
+    ("portable", "float32", "cpu", True), ("portable", "float32", "ort", True),
+    ("portable", "float16", "cpu", False), ("qnn-fp16", "float16", "cpu", False),
+    ("qnn-qdq16", "float32", "cpu", False), ("portable", "float32", "qnn", False),
+    ("qnn-fp16", "float16", "qnn", True), ("qnn-qdq16", "float32", "qnn", True),
+    ("portable", "float32", "cuda", False), ("portable", "float16", "tensorrt", False)])
+def test_which_rows_are_verified(flavour, dtype, backend, verified):
+    """The table follows what the suite checks: float32 on the CPU (test_graph_parity, test_quant: every row
+    exact, quantized bundles included), the QNN flavours on QNN (test_qnn, test_qnn_qdq)."""
+    assert (unverified_rows(_manifest(flavour, dtype), backend) is None) == verified
+
+
+def test_bundles_without_a_flavour_record_are_portable(tiny_bundle):
+    manifest = load_manifest(tiny_bundle)
+    manifest.export.pop("flavour", None)
+    assert unverified_rows(manifest, "cpu") is None and "portable flavour" in unverified_rows(manifest, "qnn")
+
+
+def test_speculation_on_float16_cpu_graphs_warns_once(fp16_bundles):
+    gen = Generator.load(fp16_bundles["b1"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InexactRowsWarning)
+            plain = gen.generate(PROMPT, 8, proposer="none", stop_ids=[]).tokens  # plain decode is what it is
+        with pytest.warns(InexactRowsWarning, match="float16 graphs on onnxruntime's CPU kernels") as caught:
+            spec = gen.generate(PROMPT, 8, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
+        assert len(caught) == 1 and "--backend cpu --exact-rows" in str(caught[0].message)
+        assert spec.stats.proposed > 0  # it ran speculatively all the same
+        assert len(spec.tokens) == len(plain) == 8
+    finally:
+        gen.close()
+
+
+def test_speculation_on_verified_rows_is_silent(tiny_bundle):
+    gen = Generator.load(tiny_bundle)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InexactRowsWarning)
+            gen.generate(PROMPT, 8, proposer="ngram", gamma=2, stop_ids=[])
+    finally:
+        gen.close()
+
+
+def test_a_batch_warns_too(fp16_bundles):
+    gen = BatchGenerator.load(fp16_bundles["b2"])
+    try:
+        with pytest.warns(InexactRowsWarning, match="float16"):
+            results = gen.generate_batch([PROMPT, PROMPT[:7]], 6, proposer="ngram", gamma=2, stop_ids=[])
+        assert [len(r.tokens) for r in results] == [6, 6]
+    finally:
+        gen.close()
+
+
+def test_the_command_prints_one_line(fp16_bundles, capsys):
+    args = ["generate", fp16_bundles["qnn-fp16"], "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "6",
+            "--json"]
+    assert main(args + ["--proposer", "ngram", "--gamma", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["tokens"]) == 6
+    (warned,) = [line for line in err.splitlines() if "warning" in line]
+    assert warned.startswith("specedge generate: warning: speculation on backend cpu is not known to be exact")
+    assert main(args + ["--proposer", "none"]) == 0
+    assert "warning" not in capsys.readouterr().err
