@@ -101,7 +101,9 @@ _ONNX_OF_DTYPE = {v: k for k, v in _DTYPE_OF_ONNX.items() if v not in ("string",
 _ONNX_INT4 = 22  # packed two per byte; numpy has no such dtype (weights only, see PackedInt4)
 _DTYPE_OF_ONNX[_ONNX_INT4] = "int4"
 _OPT_LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}  # GraphOptimizationLevel
-_ORT_LOGGING_LEVEL_WARNING, _ORT_SEQUENTIAL, _ORT_ARENA_ALLOCATOR, _ORT_MEM_TYPE_DEFAULT = 2, 0, 1, 0
+# ERROR, as the Python backend's sessions: onnxruntime's warnings are about its own optimizer (a float16 graph on
+# the CPU logged 30 lines of "can't constant fold Where node" per check); errors reach us as statuses anyway
+_ORT_LOGGING_LEVEL_ERROR, _ORT_SEQUENTIAL, _ORT_ARENA_ALLOCATOR, _ORT_MEM_TYPE_DEFAULT = 3, 0, 1, 0
 
 
 class CapiError(RuntimeError):
@@ -190,7 +192,7 @@ def _create_env(api: _Api, threads: int | None, out: c_void_p) -> bool:
     try:
         api.SetGlobalIntraOpNumThreads(options, threads or 0)  # 0: ORT's default, one per physical core
         api.SetGlobalInterOpNumThreads(options, 1)
-        api.CreateEnvWithGlobalThreadPools(_ORT_LOGGING_LEVEL_WARNING, b"specedge", options, byref(out))
+        api.CreateEnvWithGlobalThreadPools(_ORT_LOGGING_LEVEL_ERROR, b"specedge", options, byref(out))
     finally:
         api.ReleaseThreadingOptions(options)
     if _POOL["threads"] is None:
