@@ -209,9 +209,15 @@ class GGUFSource(Source):
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
         scaling = self._field(f"{a}.rope.scaling.type", None)
-        if scaling not in (None, "none", "linear") or "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
-            raise ExportError(f"{path}: GGUF rope scaling '{scaling or 'rope_freqs'}' is not supported (none, linear)")
+        # llama.cpp's converter stores Llama 3.1+'s rope scaling ("llama3") as a tensor of per-frequency divisors
+        freqs = self._tensors.pop("rope_freqs.weight", None)
+        if scaling not in (None, "none", "linear") or (freqs is not None and scaling == "linear"):
+            raise ExportError(f"{path}: GGUF rope scaling '{scaling}'{' with rope_freqs' if freqs is not None else ''} "
+                              f"is not supported (none, linear, or rope_freqs alone)")
         rope = {"rope_type": "linear", "factor": self._field(f"{a}.rope.scaling.factor")} if scaling == "linear" else None
+        if freqs is not None:
+            factors = np.asarray(self._gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float32).ravel()
+            rope = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
         vocab = self._field(f"{a}.vocab_size", None) or len(self._field_raw("tokenizer.ggml.tokens").data)
         self.config = LlamaConfig(
             family=a,

@@ -38,7 +38,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "freq_factors")  # freq_factors: a GGUF's rope_freqs
 
 
 # Node labels (GraphBuilder.op): the residual stream's adds and the RMSNorm statistics. SmolLM2's residual stream
@@ -125,6 +125,13 @@ def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if kind == "freq_factors":
+        # llama.cpp's rope_freqs: each frequency divided by its factor (how its converter stores "llama3" scaling)
+        factors = np.asarray(scaling["factors"], np.float32)
+        if factors.shape != inv.shape or not np.all(np.isfinite(factors) & (factors > 0)):
+            raise UnsupportedModel(f"rope_freqs has {factors.size} factors for a head_dim of {d} (expected {d // 2} "
+                                   f"positive ones)")
+        return (inv / factors).astype(np.float32), 1.0
     raise UnsupportedModel(f"rope_scaling type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 

@@ -4,6 +4,9 @@ A prompt is prefilled in chunks (the last one padded), then a T=5 step and T=1 s
 the K/V the graphs returned back in as the past. Logits must match transformers' eager logits at every
 position (max abs 1e-4, float32), and each step's new K/V must be transformers' cache entries.
 """
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -81,6 +84,111 @@ def test_rope_scaling_matches_transformers(scaling, tmp_path):
     logits, keys, _ = drive(bundle, ids, 3 * CHUNK)
     assert np.abs(logits - ref_logits).max() < LOGIT_TOL
     assert np.abs(keys - ref_k).max() < KV_TOL
+
+
+def _llama3_rope_factors(config) -> np.ndarray:
+    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel): Llama 3 rope scaling as rope_freqs, one divisor
+    per frequency. Written from its description, not from specedge's code."""
+    import math
+
+    s = config.rope_scaling  # transformers 5 keeps rope_theta in it too
+    d = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (s["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def _gguf_of(model, path: str, rope_freqs: np.ndarray | None) -> str:
+    """The tiny HF llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows permuted for its
+    interleaved RoPE, Llama 3 scaling as rope_freqs, a minimal gpt2-style tokenizer."""
+    import gguf
+
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def permute(w, n):
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_scaling["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_merges([])
+    w.add_eos_token_id(1)
+    for name, t in model.state_dict().items():
+        t = t.numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", t)
+        else:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            if rest == "self_attn.q_proj":
+                t = permute(t, heads)
+            elif rest == "self_attn.k_proj":
+                t = permute(t, kv_heads)
+            w.add_tensor(f"blk.{layer}.{names[rest]}.weight", t)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_llama3_rope_scaling_from_a_gguf_matches_transformers(tmp_path):
+    """Llama 3.1+ GGUFs carry their rope scaling as rope_freqs (per-frequency divisors): a bundle exported from
+    such a file computes transformers' logits for the HF model it was converted from; without the tensor the
+    logits are off (the test would notice a reader that ignored it)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    model = make_hf_model(str(tmp_path / "m"), "llama", layers=2, rope_scaling=scaling)
+    ids = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    ref_logits, ref_k, _ = reference(model, ids)
+    factors = _llama3_rope_factors(model.config)
+    assert factors.min() == 1.0 and factors.max() == 8.0  # both ends of the scaling occur in this head_dim
+    for name, rope_freqs in (("with", factors), ("without", None)):
+        bundle = export_for_parity(_gguf_of(model, str(tmp_path / f"{name}.gguf"), rope_freqs), str(tmp_path / name))
+        logits, keys, _ = drive(bundle, ids, 3 * CHUNK)
+        if rope_freqs is not None:
+            assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+            assert np.abs(keys - ref_k).max() < KV_TOL
+        else:
+            assert np.abs(keys - ref_k).max() > 100 * KV_TOL
+    # a rope_freqs that does not fit the heads is one line and exit 2, with nothing written
+    bad = _gguf_of(model, str(tmp_path / "bad.gguf"), factors[:3])
+    r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", bad, "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "rope_freqs has 3 factors for a head_dim of 16" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
 
 
 def test_default_prefill_graph_fills_the_same_cache(tiny_models, tiny_bundle):
