@@ -322,13 +322,15 @@ class GGUFSource(Source):
         return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32, offset)
 
     def tokenizer(self) -> TokenizerInfo:
-        eos = self._field("tokenizer.ggml.eos_token_id", None)
+        # llama.cpp ends a generation at end-of-sequence, end-of-turn and end-of-message alike (Llama 3 instruct
+        # models close a turn with <|eot_id|>, not their EOS)
+        ends = [self._field(f"tokenizer.ggml.{kind}_token_id", None) for kind in ("eos", "eot", "eom")]
         bos = self._field("tokenizer.ggml.bos_token_id", None)
         add_bos = self._field("tokenizer.ggml.add_bos_token", True)
         template = self._field("tokenizer.chat_template", None)
         files = {"tokenizer.json": self._tokenizer_json()}
-        return TokenizerInfo(bos_id=bos if add_bos else None, eos_ids=[] if eos is None else [int(eos)],
-                             chat_template=template, files=files)
+        eos_ids = list(dict.fromkeys(int(e) for e in ends if e is not None))
+        return TokenizerInfo(bos_id=bos if add_bos else None, eos_ids=eos_ids, chat_template=template, files=files)
 
     def _tokenizer_json(self) -> bytes:
         """A tokenizer.json built from the GGUF's tokenizer metadata by transformers' own GGUF converter.

@@ -15,6 +15,7 @@ from models import FAMILIES, ContractDriver, make_hf_model
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
+from specedge.graphs.manifest import load_manifest
 
 LOGIT_TOL = 1e-4
 KV_TOL = 1e-4
@@ -140,6 +141,7 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None) -> str:
     w.add_token_scores([0.0] * cfg.vocab_size)
     w.add_token_merges([])
     w.add_eos_token_id(1)
+    w.add_eot_token_id(7)  # Llama 3 instruct ends a turn with <|eot_id|>, a token other than its EOS
     for name, t in model.state_dict().items():
         t = t.numpy().astype(np.float32)
         if name == "model.embed_tokens.weight":
@@ -178,6 +180,7 @@ def test_llama3_rope_scaling_from_a_gguf_matches_transformers(tmp_path):
     for name, rope_freqs in (("with", factors), ("without", None)):
         bundle = export_for_parity(_gguf_of(model, str(tmp_path / f"{name}.gguf"), rope_freqs), str(tmp_path / name))
         logits, keys, _ = drive(bundle, ids, 3 * CHUNK)
+        assert load_manifest(bundle).tokenizer.eos_ids == [1, 7]
         if rope_freqs is not None:
             assert np.abs(logits - ref_logits).max() < LOGIT_TOL
             assert np.abs(keys - ref_k).max() < KV_TOL
