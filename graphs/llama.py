@@ -38,7 +38,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "freq_factors")  # freq_factors: a GGUF's rope_freqs
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "freq_factors")  # freq_factors: a GGUF's rope_freqs
 
 
 # Node labels (GraphBuilder.op): the residual stream's adds and the RMSNorm statistics. SmolLM2's residual stream
@@ -125,6 +125,8 @@ def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if kind == "yarn":
+        return _yarn(cfg, scaling, d)
     if kind == "freq_factors":
         # llama.cpp's rope_freqs: each frequency divided by its factor (how its converter stores "llama3" scaling)
         factors = np.asarray(scaling["factors"], np.float32)
@@ -133,6 +135,39 @@ def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
                                    f"positive ones)")
         return (inv / factors).astype(np.float32), 1.0
     raise UnsupportedModel(f"rope_scaling type '{kind}' is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _yarn(cfg: LlamaConfig, scaling: dict, d: int) -> tuple[np.ndarray, float]:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"), static as transformers applies it:
+    frequencies that turn fewer than beta_slow times over the original context are interpolated (divided by
+    the factor), those that turn more than beta_fast times are kept, with a linear ramp between; cos and sin are
+    scaled by the attention factor 0.1 ln(s) + 1 (eq. 21). Float32 as transformers computes it."""
+    factor = scaling.get("factor") or cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+    old = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over `old`
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    kept = (1 - ramp).astype(np.float32)  # 1: the frequency as trained, 0: interpolated
+    powers = np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+    inv = (1 / (np.float32(factor) * powers)) * (1 - kept) + (1 / powers) * kept
+    return inv.astype(np.float32), float(attention)
 
 
 def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -75,6 +75,9 @@ def test_logits_and_kv_match_transformers(family, tiny_models, tmp_path):
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 32},
     {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},  # Qwen3's long-context setting
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
 ])
 def test_rope_scaling_matches_transformers(scaling, tmp_path):
     hf_dir = str(tmp_path / "m")
