@@ -212,8 +212,9 @@ class GGUFSource(Source):
         # llama.cpp's converter stores Llama 3.1+'s rope scaling ("llama3") as a tensor of per-frequency divisors
         freqs = self._tensors.pop("rope_freqs.weight", None)
         if scaling not in (None, "none", "linear") or (freqs is not None and scaling == "linear"):
-            raise ExportError(f"{path}: GGUF rope scaling '{scaling}'{' with rope_freqs' if freqs is not None else ''} "
-                              f"is not supported (none, linear, or rope_freqs alone)")
+            both = " with rope_freqs" if freqs is not None else ""
+            raise ExportError(f"{path}: GGUF rope scaling '{scaling}'{both} is not supported (none, linear, or "
+                              f"rope_freqs alone)")
         rope = {"rope_type": "linear", "factor": self._field(f"{a}.rope.scaling.factor")} if scaling == "linear" else None
         if freqs is not None:
             factors = np.asarray(self._gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float32).ravel()

@@ -134,7 +134,8 @@ class ModelRunner:
         if not os.path.isfile(path):
             raise BundleError(f"graph file missing: {path}")
         try:
-            return self._backend.load(path, os.path.join(self.bundle_dir, self.entry.weights), config=self.entry.session_config)
+            return self._backend.load(path, os.path.join(self.bundle_dir, self.entry.weights),
+                                      config=self.entry.session_config)
         except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
             raise
         except BackendError as e:
