@@ -4,6 +4,7 @@ The oracle is a separate Generator on the same bundle running plain greedy decod
 (speculation, prefix reuse, concurrency), its greedy text must be that text.
 """
 import json
+import random
 import re
 import socket
 import sys
@@ -24,10 +25,16 @@ from specedge.serve.engine import EngineConfig
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(candidates: range | None = None) -> int:
+    """A port nothing listens on: any the kernel picks, or one of `candidates`."""
+    for port in random.Random().sample(candidates, len(candidates)) if candidates else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in {candidates}")
 
 
 class Server:
@@ -383,7 +390,13 @@ def test_ray_serve_with_two_replicas_on_loopback(tiny_bundle, oracle):
 
     from specedge.serve import ray_serve
 
-    port = free_port()
+    import ray
+
+    # Ray first, then the port: its processes take ephemeral ports as they start, and once took the one a
+    # free_port() had just chosen ("Failed to bind to address" in CI). The port also comes from below Linux's
+    # ephemeral range and above Ray's worker ports (10002-19999), where none of its processes binds.
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port(range(20000, 32000))
     config = ServerConfig(tiny_bundle, threads=1, engine=EngineConfig(proposer="ngram", gamma=4, max_tokens=16),
                           model_id=MODEL)
     ray_serve.start(config, "127.0.0.1", port, replicas=2)
