@@ -98,7 +98,6 @@ class ModelRunner:
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
         self.bundle_dir = bundle_dir
         self._backend = backend
-        self.backend_name = backend.name
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
         self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
@@ -111,6 +110,10 @@ class ModelRunner:
         # The tokens whose K/V the cache holds (slot i <-> history[i]) when a generation ended cleanly; empty
         # while one runs or after it failed, so a later prefill never trusts entries it cannot name.
         self.history: list[int] = []
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
 
     # -- sessions ------------------------------------------------------------------------------------
     def _step(self, role: str, tokens: int, context: int, tree: bool = False) -> _Step:

@@ -128,12 +128,13 @@ def prune(root: str, max_bytes: int | None = None, unused_for_s: float | None = 
     now = time.time() if now is None else now
     removed, kept = [], []
     for e in entries(root):
-        stale = now - e.used > LEFTOVER_AGE_S
-        if (e.unfinished and stale) or (not e.unfinished and unused_for_s is not None and now - e.used > unused_for_s):
+        crashed = e.unfinished and now - e.used > LEFTOVER_AGE_S
+        if crashed or (not e.unfinished and unused_for_s is not None and now - e.used > unused_for_s):
             removed.append(e)
         else:
             kept.append(e)
     if max_bytes is not None:
+        # a write in progress counts: it will hold its bytes once finished, but only finished entries can go
         total = sum(e.size for e in kept)
         for e in [e for e in kept if not e.unfinished]:  # least recently used first
             if total <= max_bytes:
@@ -145,10 +146,10 @@ def prune(root: str, max_bytes: int | None = None, unused_for_s: float | None = 
         _remove(e.path)
     for e in kept:  # unfinished tensor writes inside ort entries that are kept
         if e.part == "ort" and not e.unfinished:
-            stale = [p for p in _unfinished_in(e.path) if now - _mtime(p) > LEFTOVER_AGE_S]
-            for leftover in stale:
+            leftovers = [p for p in _unfinished_in(e.path) if now - _mtime(p) > LEFTOVER_AGE_S]
+            for leftover in leftovers:
                 _remove(leftover)
-            if stale:  # removing a file touches the folder: keep its last use as it was
+            if leftovers:  # removing a file touches the folder: keep its last use as it was
                 try:
                     os.utime(e.path, (e.used, e.used))
                 except OSError:

@@ -29,6 +29,7 @@ from ..errors import BundleError
 from ..graphs import contract as C
 from ..graphs.llama import MATRICES
 from ..graphs.manifest import GraphEntry, ModelEntry, load_manifest, read_index, weights_index_file
+from ..runtime.exactness import flavour
 
 _ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool", 3: "int8", 22: "int4", 2: "uint8",
                4: "uint16", 5: "int16"}
@@ -117,9 +118,9 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
 
     problems = _check_quant(proto, model, qdq)
     spec = model.quant_spec
-    flavour = (f"{spec.weight_type} weights in blocks of {spec.block}, head int{spec.head_bits}" if spec else
-               "QDQ weights and activations (qnn-qdq16)" if qdq else "float weights")
-    report.add(not problems, f"{label}: {flavour} as the manifest says" if not problems else f"{label}: " + "; ".join(problems[:3]))
+    layout = (f"{spec.weight_type} weights in blocks of {spec.block}, head int{spec.head_bits}" if spec else
+              "QDQ weights and activations (qnn-qdq16)" if qdq else "float weights")
+    report.add(not problems, f"{label}: {layout} as the manifest says" if not problems else f"{label}: " + "; ".join(problems[:3]))
 
     bad = []
     for init in proto.graph.initializer:
@@ -286,7 +287,7 @@ def _check_logits_grid(bundle: str, name: str, model: ModelEntry, recorded: floa
                f"the manifest's {recorded:.6g} (a runtime would snap them onto the wrong grid)")
 
 
-def _rows_skipped(backend: str, flavour: str | None, exact_rows: bool | None) -> str | None:
+def _rows_skipped(backend: str, kind: str, exact_rows: bool | None) -> str | None:
     """Why the exact-rows comparison is left out, or None to run it."""
     if exact_rows is False:
         return "skipped (--no-exact-rows)"
@@ -296,7 +297,7 @@ def _rows_skipped(backend: str, flavour: str | None, exact_rows: bool | None) ->
         # T emulated decode steps per graph: minutes for SmolLM2 on the x86 emulator, so a device asks for it.
         return ("not checked on qnn by default (T decode steps per graph, minutes on the x86 emulator; "
                 "--exact-rows checks them on the HTP)")
-    if flavour == "qnn-qdq16":
+    if kind == "qnn-qdq16":
         # onnxruntime's CPU kernels for QDQ graphs (quantized MatMul, requantization) do not keep a T-token
         # step's rows equal to one-token steps; the flavour is for the HTP.
         return ("not checked for qnn-qdq16 on the CPU (its CPU kernels are not the HTP's; "
@@ -316,6 +317,7 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
     except BundleError as e:
         report.add(False, str(e))
         return report
+    kind = flavour(manifest)
     report.add(True, f"manifest: {', '.join(f'{k} ({m.family}, {m.dims.num_layers} layers, {m.dims.dtype})' for k, m in manifest.models.items())}")
     for name, model in manifest.models.items():
         wpath = os.path.join(bundle, model.weights)
@@ -330,11 +332,11 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
                           if size >= need else f"{name}: weights file {model.weights} "
                           + ("missing" if size < 0 else f"truncated ({size} bytes, index needs {need})")):
             continue
-        skipped = _rows_skipped(backend, manifest.export.get("flavour"), exact_rows)
+        skipped = _rows_skipped(backend, kind, exact_rows)
         for graph in model.graphs:
             _check_graph(bundle, name, model, graph, index, manifest.opset, report, load, backend,
-                         qdq=manifest.export.get("flavour") == "qnn-qdq16", cached=skipped is None)
-        if manifest.export.get("flavour") == "qnn-qdq16":
+                         qdq=kind == "qnn-qdq16", cached=skipped is None)
+        if kind == "qnn-qdq16":
             _check_logits_grid(bundle, name, model, manifest.logits_scale(name), report)
         if load and report.ok:
             if skipped:
