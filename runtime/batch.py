@@ -47,6 +47,7 @@ from .generator import (GenerationResult, check_min_new_tokens, check_request, c
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
+from .penalties import Penalties, PenaltyState
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
 from .tokenizer import Tokenizer
@@ -72,6 +73,7 @@ class Row:
     output: list[int] = field(default_factory=list)
     reason: str = ""  # why it finished ("" while it runs)
     min_new_tokens: int = 0  # the stop ids are held back until the output has this many tokens
+    penalty: PenaltyState | None = None  # repetition / presence / frequency penalties (None: off)
     # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
     draft_prefill: list[int] = field(default_factory=list)  # prompt tokens its cache still lacks
     draft_behind: list[int] = field(default_factory=list)  # committed tokens it lacks, the pending one excluded
@@ -97,17 +99,19 @@ class BatchRunner:
 
     # -- rows in and out -----------------------------------------------------------------------------
     def check(self, prompts: list[list[int]], max_new_tokens: int, proposer: str, gamma: int,
-              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
-        """Refuse what the rows cannot run (GenerationError); returns the sampling parameters."""
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> tuple[SamplingParams, Penalties]:
+        """Refuse what the rows cannot run (GenerationError); returns the sampling parameters and penalties."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         check_request(prompts, self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
         if proposer != "none":
             warn_if_unverified(self.manifest, self.target.backend_name, self.target.bundle_dir)
-        return params
+        return params, penalties
 
     def free_row(self, prompt: list[int]) -> int | None:
         """The free row whose cache holds the longest prefix of the prompt (None: every row is busy)."""
@@ -117,10 +121,12 @@ class BatchRunner:
     def admit(self, b: int, prompt: list[int], max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
-              min_new_tokens: int = 0) -> Row:
+              min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+              frequency_penalty: float = 0.0) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = token_ids(prompt)
-        params = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p)
+        params, penalties = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
+                                       repetition_penalty, presence_penalty, frequency_penalty)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         if self.rows[b] is not None:
@@ -138,7 +144,8 @@ class BatchRunner:
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
                   Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt),
-                  min_new_tokens=min_new_tokens)
+                  min_new_tokens=min_new_tokens,
+                  penalty=None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt))
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)
@@ -283,6 +290,8 @@ class BatchRunner:
         for b, d in drafts.items():
             row = self.rows[b]
             rows_b = logits[b, :len(d) + 1]
+            if row.penalty is not None:
+                rows_b = row.penalty.apply(rows_b, [d[:j] for j in range(len(d) + 1)])
             if len(row.output) < row.min_new_tokens:  # row j chooses new token len(output) + j
                 rows_b = hold_back(rows_b, len(row.output) + np.arange(len(d) + 1), row.min_new_tokens, row.stop)
             if row.params.greedy:
@@ -306,6 +315,8 @@ class BatchRunner:
                     break
             row.context += new
             row.output += new
+            if row.penalty is not None:
+                row.penalty.commit(new)
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
@@ -419,7 +430,8 @@ class BatchGenerator:
     def generate_batch(self, prompts, max_new_tokens: int = 128, proposer: str = "ngram", gamma: int = 4,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
-                       adaptive: bool = True, min_new_tokens: int = 0) -> list[GenerationResult]:
+                       adaptive: bool = True, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[GenerationResult]:
         """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
         prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
         (continuous batching), so the verify steps stay full while the sequences end at different rounds.
@@ -430,7 +442,10 @@ class BatchGenerator:
             raise GenerationError("no prompts")
         prompts = [token_ids(p, f" {i}") for i, p in enumerate(prompts)]
         runner = self.runner
-        runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p)  # before any row starts
+        penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty)
+        # before any row starts
+        runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p, **penalties)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
@@ -442,7 +457,8 @@ class BatchGenerator:
             while waiting and (b := runner.free_row(prompts[waiting[0]])) is not None:
                 i = waiting.pop(0)
                 runner.admit(b, prompts[i], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
-                             None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens)
+                             None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens,
+                             **penalties)
                 running[b] = i
             while runner.prefill_step():
                 pass

@@ -29,6 +29,7 @@ from .backends import create_backend
 from .draft_length import DraftLength, TreeChoice
 from .exactness import warn_if_unverified
 from .model import ModelRunner
+from .penalties import Penalties, PenaltyState
 from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, hold_back, is_int, probs_from_logits
@@ -153,7 +154,8 @@ class Generator:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
                ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True, reuse: bool = False,
-               tree: int = 0, min_new_tokens: int = 0) -> Iterator[list[int]]:
+               tree: int = 0, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -166,9 +168,14 @@ class Generator:
         prompt and prefills only the rest; the output is the same as without it (runtime/session.py).
 
         `min_new_tokens` holds the stop ids back (probability 0) until the output has that many tokens, as
-        HF's `min_new_tokens`; benchmarks use it to make every run exactly max_new_tokens long."""
+        HF's `min_new_tokens`; benchmarks use it to make every run exactly max_new_tokens long.
+
+        `repetition_penalty` (HF's: > 1 discourages every token of the prompt and output), `presence_penalty`
+        and `frequency_penalty` (OpenAI's, in [-2, 2], over the output) change the target's law; speculation
+        stays exact for the penalized law (runtime/penalties.py)."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         prompt = token_ids(prompt_ids)
@@ -181,6 +188,7 @@ class Generator:
         tree = tree if proposer != "none" else 0
         stats.tree = tree
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
+        penalty = PenaltyState(penalties, self.target.dims.vocab_size, prompt)
         drafter = self._proposer(proposer, ngram)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         choice = TreeChoice(adaptive)
@@ -219,6 +227,7 @@ class Generator:
                 base = target.cache.used
                 if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+                    logits = penalty.apply(logits, [proposal.tokens[:j] for j in range(len(logits))])
                     if emitted < min_new_tokens:  # row j chooses new token emitted + j
                         logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, stop)
                     t2 = time.perf_counter()
@@ -235,7 +244,7 @@ class Generator:
                 else:
                     hold = (emitted, min_new_tokens, stop)
                     accepted, next_token, depth = self._verify_tree(proposal, context[-1], base, params, sampler,
-                                                                    drafter, length, stats, hold)
+                                                                    drafter, length, stats, hold, penalty)
                     t2 = time.perf_counter()
                 new = accepted + [int(next_token)]
                 for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
@@ -249,6 +258,7 @@ class Generator:
                     choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new
                 emitted += len(new)
+                penalty.commit(new)
                 stats.record_round(len(proposal.tokens), len(new) - 1, depth)
                 stats.record_tokens(len(new))
                 stats.draft_ms += (t1 - t0) * 1e3
@@ -263,13 +273,15 @@ class Generator:
             stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3
             stats.finish(reason or ("cancelled" if clean else "error"))
 
-    def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats, hold):
+    def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats, hold,
+                     penalty: PenaltyState):
         """One verify step over a token tree (spine plus leaves, runtime/tree.py); commit the accepted path.
         hold = (tokens emitted so far, min_new_tokens, stop ids). Returns (accepted tokens, next token, the
         tree's depth)."""
         tokens, parents = proposal.tokens, proposal.parents
         layout = TreeLayout.build(pending, tokens, parents)
         logits = self.target.run_tree(layout)  # [N+1, V]
+        logits = penalty.apply(logits, layout.prefixes())
         emitted, min_new_tokens, stop = hold
         if emitted < min_new_tokens:  # row r chooses new token emitted + depth(r)
             logits = hold_back(logits, emitted + layout.depth, min_new_tokens, stop)
@@ -305,12 +317,14 @@ class Generator:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
-                 min_new_tokens: int = 0) -> GenerationResult:
+                 min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
                                stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
-                               min_new_tokens=min_new_tokens):
+                               min_new_tokens=min_new_tokens, repetition_penalty=repetition_penalty,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)

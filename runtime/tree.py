@@ -38,6 +38,10 @@ class TreeLayout:
             sees[i + 1, i + 1] = True
         return cls([int(root)] + [int(t) for t in tokens], depth, sees)
 
+    def prefixes(self) -> list[list[int]]:
+        """For each row, the node tokens it follows from the root down (row 0: none; row i+1: node i's path)."""
+        return [[self.tokens[c] for c in np.flatnonzero(row[1:]) + 1] for row in self.sees]
+
 
 def spine_length(parents: list[int]) -> int:
     """Nodes 0..L-1 form the first chain (node i's parent is node i-1, node 0's the root)."""

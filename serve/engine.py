@@ -199,7 +199,8 @@ class SerialEngine(Engine):
         text = self._text(req)
         rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=req.proposer or cfg.proposer,
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
-                                 top_p=req.top_p, seed=req.seed, stats=stats, reuse=True, min_new_tokens=req.min_tokens)
+                                 top_p=req.top_p, seed=req.seed, stats=stats, reuse=True,
+                                 min_new_tokens=req.min_tokens, **req.penalties())
         try:
             for new in rounds:
                 if self._emit(job, text, new) or job.cancelled.is_set():
@@ -263,7 +264,8 @@ class BatchEngine(Engine):
             b = runner.free_row(job.prompt_ids)
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
-                             req.temperature, req.top_k, req.top_p, req.seed, min_new_tokens=req.min_tokens)
+                             req.temperature, req.top_k, req.top_p, req.seed, min_new_tokens=req.min_tokens,
+                             **req.penalties())
             except SpecedgeError as e:
                 self.metrics.count_request("error")
                 job.publish(Event("error", text=str(e), status=400))

@@ -9,6 +9,7 @@ round; needs a verify graph in the bundle) and `top_k`. The `openai` client send
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,8 +51,16 @@ class CompletionRequest:
     proposer: str | None
     gamma: int | None
     min_tokens: int = 0  # vLLM's extension: EOS is held back until this many tokens are out
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension (HF's definition)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def penalties(self) -> dict:
+        """The runtime's keyword arguments for the penalties."""
+        return dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty)
 
 
 def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
@@ -69,10 +78,6 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     for name in ("logprobs", "tools", "functions", "response_format", "logit_bias", "suffix", "echo"):
         if body.get(name) not in (None, False, {}, []):
             raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, 0) not in (0, 0.0):
-            raise RequestError(f"{name} is not supported (speculative decoding keeps the model's own "
-                               "distribution)", param=name, code="unsupported")
     if body.get("best_of", 1) != 1:
         raise RequestError("best_of > 1 is not supported", param="best_of", code="unsupported")
 
@@ -114,8 +119,14 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     min_tokens = body.get("min_tokens", 0)
     if not is_int(min_tokens) or min_tokens < 0:
         raise RequestError("min_tokens must be a non-negative integer", param="min_tokens")
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = body.get("repetition_penalty", 1.0)
+    if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < math.inf:
+        raise RequestError("repetition_penalty must be a number > 0 (1 = off)", param="repetition_penalty")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
-                             bool(options.get("include_usage")), proposer, gamma, min_tokens)
+                             bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
+                             float(repetition))
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:

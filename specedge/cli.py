@@ -151,6 +151,14 @@ def _add_sampling(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide positive logits (multiply negative ones) of every token in the prompt or output by "
+                   "R, as HF generate's (default 1: off; 1.1-1.3 curbs loops). Speculation stays exact")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="lower the logits of tokens the output holds by X, in [-2, 2] (OpenAI's; default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="lower the logits of tokens the output holds by X per occurrence, in [-2, 2] (OpenAI's; "
+                   "default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn (Qualcomm HTP, "
                    "or its x86 emulator: pip install onnxruntime-qnn)")
@@ -222,6 +230,11 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
     return prompts
 
 
+def _penalties(a) -> dict:
+    return dict(repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                frequency_penalty=a.frequency_penalty)
+
+
 def _run_generate_batch(a) -> int:
     import json
 
@@ -236,7 +249,7 @@ def _run_generate_batch(a) -> int:
         prompts = _batch_prompts(gen, a.prompts)
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                     seed=a.seed, min_new_tokens=a.min_new_tokens)
+                                     seed=a.seed, min_new_tokens=a.min_new_tokens, **_penalties(a))
     finally:
         gen.close()
     for i, r in enumerate(results):
@@ -270,7 +283,7 @@ def _run_generate(a) -> int:
     stats = Stats()
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats,
-                  min_new_tokens=a.min_new_tokens)
+                  min_new_tokens=a.min_new_tokens, **_penalties(a))
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):

@@ -407,3 +407,22 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "needs a 'prompt', 'messages' or 'prompt_ids' field" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_rows_with_penalties_equal_their_batch_1_output(gens):
+    """Each row keeps its own penalty state (its prompt and output): greedy and sampled rows equal batch 1."""
+    g1, g3 = gens
+    penalties = dict(repetition_penalty=0.95, presence_penalty=-0.4, frequency_penalty=0.1)  # drafts get accepted
+    proposed = accepted = changed = 0
+    for kwargs in (dict(adaptive=False), dict(temperature=0.7, top_k=20, seed=3)):
+        results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[], **kwargs, **penalties)
+        for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
+            one = dict(kwargs, seed=kwargs["seed"] + b) if "seed" in kwargs else kwargs
+            want = g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], **one, **penalties).tokens
+            assert res.tokens == want, (b, kwargs)
+            changed += want != g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], **one).tokens
+            proposed += res.stats.proposed
+            accepted += res.stats.accepted
+    assert 0 < accepted < proposed and changed >= 4
+    with pytest.raises(GenerationError, match="repetition_penalty"):
+        g3.generate_batch(PROMPTS, NEW, repetition_penalty=-1.0)

@@ -35,6 +35,8 @@ def assert_clean_error(r, expected):
     (["--prompt-ids", "5,6", "--proposer", "ngram", "--gamma", "3"], "gamma 3 has no verify graph"),
     (["--prompt-ids", "5,6,99999"], "outside the vocabulary"),
     (["--prompt-ids", "5,6", "--min-new-tokens", "-2"], "min_new_tokens must be an int >= 0"),
+    (["--prompt-ids", "5,6", "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--prompt-ids", "5,6", "--presence-penalty", "-3"], "presence_penalty must be a number in [-2, 2]"),
     (["--prompt-ids", "5,6", "--threads", "0"], "threads must be at least 1, not 0"),
     (["--prompt-ids", "5,6", "--temperature", "1", "--seed", "-1"], "seed must be an int >= 0 (or left out), not -1"),
     (["--prompt", "t5 t6", "--chat", "--prompt-ids", "1"], ""),  # argparse: mutually exclusive (exit 2)

@@ -207,6 +207,12 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": [1]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_tokens": -1}, 400, "min_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "frequency_penalty": "1"}, 400,
+     "frequency_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -230,6 +236,22 @@ def test_min_tokens_holds_eos_back_as_the_runtime_does(server, batch_server, ora
         r = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                           extra_body={"min_tokens": 24, "proposer": "ngram"})
         assert r.choices[0].text == want and r.usage.completion_tokens == 24
+
+
+def test_penalties_reach_the_runtime(server, batch_server, oracle):
+    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty give what the runtime's plain decode
+    with them gives, through both engines and with prompt lookup."""
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.05)
+    prompt = words(3, 16)
+    ids = oracle.tokenizer.encode(prompt)
+    want = oracle.tokenizer.decode(oracle.generate(ids, 24, proposer="none", min_new_tokens=24, **penalties).tokens)
+    assert want != expected(oracle, ids, 24)
+    for s in (server, batch_server):
+        r = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                          presence_penalty=0.8, frequency_penalty=0.5,
+                                          extra_body={"repetition_penalty": 1.05, "min_tokens": 24,
+                                                      "proposer": "ngram"})
+        assert r.choices[0].text == want
 
 
 def test_malformed_json_and_bad_prompts_are_400s(server):

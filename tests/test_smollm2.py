@@ -31,16 +31,21 @@ def chat_prompts(gen):
             for name in ("short-explain", "add-type-hints")}
 
 
-def hf_greedy(model, ids, n=NEW, held=()):
+def hf_greedy(model, ids, n=NEW, held=(), repetition_penalty=1.0):
     """transformers' greedy decode, n tokens whatever they are (generate() would stop at EOS, and its
     min_new_tokens would forbid EOS, changing the argmax): argmax of the model's forward over its own KV
-    cache, lowest id on ties; `held` ids are never chosen. Returns the tokens and the logits each was chosen
-    from."""
+    cache, lowest id on ties; `held` ids are never chosen; transformers' repetition penalty processor when
+    asked. Returns the tokens and the logits each was chosen from."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalize = RepetitionPenaltyLogitsProcessor(repetition_penalty)
     tokens, logits = [], []
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         for _ in range(n):
             row = out.logits[0, -1].clone()
+            if repetition_penalty != 1.0:
+                row = penalize(torch.tensor([list(ids) + tokens]), row[None])[0]
             row[list(held)] = -torch.inf
             logits.append(row.numpy())
             tokens.append(int(np.argmax(row.numpy())))
@@ -71,15 +76,36 @@ def test_greedy_equals_transformers_for_every_proposer(smol, smollm2_hf):
                 assert out == plain, (name, proposer, gamma)  # position-consistent graphs: no exceptions
 
 
+def short_edit(gen, name: str) -> list[int]:
+    import json
+
+    edits = os.path.join(os.path.dirname(__file__), "..", "tools", "prompts", "short_edits.jsonl")
+    item = next(p for p in map(json.loads, open(edits)) if p["id"] == name)
+    return gen.tokenizer.apply_chat_template(item["messages"])
+
+
+def test_a_repetition_penalty_keeps_prompt_lookup_exact(smol, smollm2_hf):
+    """transformers' repetition penalty changes what SmolLM2 writes on a short edit; plain decode with it
+    equals transformers with it (up to a near tie), and prompt lookup, whose drafts copy text the penalty
+    discourages, still equals plain decode token for token while proposing, accepting and rejecting drafts.
+    (At 1.2 this edit's answer copies nothing from the prompt any more, so prompt lookup has nothing to draft.)"""
+    ids = short_edit(smol, "short-rename-arg")
+    ref, ref_logits = hf_greedy(smollm2_hf, ids, repetition_penalty=1.1)
+    plain = smol.generate(ids, NEW, proposer="none", stop_ids=[], repetition_penalty=1.1).tokens
+    assert plain != smol.generate(ids, NEW, proposer="none", stop_ids=[]).tokens
+    assert_same_or_near_tie(plain, ref, ref_logits)
+    for gamma in (4, 8):
+        out = smol.generate(ids, NEW, proposer="ngram", gamma=gamma, stop_ids=[], adaptive=False,
+                            repetition_penalty=1.1)
+        assert out.tokens == plain, gamma
+        assert 0 < out.stats.accepted < out.stats.proposed
+
+
 def test_min_new_tokens_runs_past_the_real_eos_exactly(smol, smollm2_hf):
     """A short edit that SmolLM2 answers and closes with EOS well before NEW tokens: with min_new_tokens the
     answer runs on (as transformers with EOS masked), and prompt lookup under the same rule equals plain
     decode token for token while proposing, accepting and rejecting drafts."""
-    import json
-
-    edits = os.path.join(os.path.dirname(__file__), "..", "tools", "prompts", "short_edits.jsonl")
-    item = next(p for p in map(json.loads, open(edits)) if p["id"] == "short-typo-fix")
-    ids = smol.tokenizer.apply_chat_template(item["messages"])
+    ids = short_edit(smol, "short-typo-fix")
     eos = smol.eos_ids
     ended = smol.generate(ids, NEW, proposer="none").tokens
     assert ended[-1] in eos and len(ended) < NEW // 2  # the premise: the model ends its answer early

@@ -286,3 +286,24 @@ def test_pruning_a_tree_keeps_the_nodes_above_held_ones():
     assert Proposal([10, 11], q[:2]).emittable(1, 8, {11}).draft_probs.tolist() == q[:1].tolist()
     sampled = Proposal(tree.tokens, q, tree.parents).emittable(0, 8, {11})
     assert sampled.draft_probs.tolist() == q[[0, 3, 4]].tolist()  # each kept node keeps its own q
+
+
+def test_tree_rows_are_penalized_with_their_ancestors(tree_gens):
+    """A tree row follows its node's ancestors, not the nodes before it in index order: penalized that way,
+    greedy tree speculation equals plain decode under the same penalties (runtime/penalties.py)."""
+    penalties = dict(presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.02)
+    totals = np.zeros(4, int)
+    changed = 0
+    for seed in range(4):
+        prompt = few_symbols(3 * CHUNK + 5, seed=seed)
+        for g in tree_gens.values():
+            plain = g.generate(prompt, NEW, proposer="none", stop_ids=[], **penalties).tokens
+            changed += plain != g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+            for proposer in ("ngram", "draft"):
+                out = g.generate(prompt, NEW, proposer=proposer, gamma=8, tree=16, stop_ids=[], adaptive=False,
+                                 **penalties)
+                assert out.tokens == plain, (proposer, seed)
+                totals += [out.stats.tree_rounds, out.stats.off_chain_accepted, out.stats.accepted,
+                           out.stats.proposed - out.stats.accepted]
+    rounds, off_chain, accepted, rejected = totals
+    assert changed >= 4 and rounds > 0 and off_chain > 0 and accepted > 0 and rejected > 0, totals
