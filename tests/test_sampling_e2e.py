@@ -79,8 +79,25 @@ def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return torch.softmax(scores, dim=-1).numpy()
 
 
-def exact_law(model, prompt, params: SamplingParams) -> np.ndarray:
-    """P(a, b, c | prompt) for all 16^3 continuations, from transformers' logits and warpers."""
+def penalize(logits: np.ndarray, contexts: list[list[int]], prompt_len: int, penalties: dict) -> np.ndarray:
+    """Rows [N, V] after the penalties for their contexts (prompt + output so far): transformers' own repetition
+    penalty processor, then OpenAI's presence/frequency definitions over the output, written out here."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    rep = penalties.get("repetition_penalty", 1.0)
+    if rep != 1.0:
+        logits = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor(contexts), torch.tensor(logits)).numpy()
+    logits = logits.copy()
+    for row, ctx in zip(logits, contexts):
+        output = ctx[prompt_len:]
+        for token in set(output):
+            row[token] -= np.float32(output.count(token) * penalties.get("frequency_penalty", 0.0)
+                                     + penalties.get("presence_penalty", 0.0))
+    return logits
+
+
+def exact_law(model, prompt, params: SamplingParams, penalties: dict | None = None) -> np.ndarray:
+    """P(a, b, c | prompt) for all 16^3 continuations, from transformers' logits and warpers (and penalties)."""
     seqs = np.array([[a, b] for a in range(V) for b in range(V)])
     with torch.no_grad():
         first = model(torch.tensor([prompt])).logits[0, -1].numpy()
@@ -88,13 +105,18 @@ def exact_law(model, prompt, params: SamplingParams) -> np.ndarray:
         second = model(ctx).logits[:, -1].numpy()
         ctx = torch.tensor([prompt + list(s) for s in seqs])
         third = model(ctx).logits[:, -1].numpy()
+    if penalties:
+        n = len(prompt)
+        first = penalize(first[None], [prompt], n, penalties)[0]
+        second = penalize(second, [prompt + [a] for a in range(V)], n, penalties)
+        third = penalize(third, [prompt + list(s) for s in seqs], n, penalties)
     p1 = hf_probs(first[None], params)[0]
     p2 = hf_probs(second, params)
     p3 = hf_probs(third, params).reshape(V, V, V)
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0):
+def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **penalties):
     """Counts of the 16^3 continuations over n seeded runs; asserts that a speculative proposer really ran:
     drafts were proposed, some accepted and some rejected (with trees: tree rounds ran, and some accepted
     paths ended in a node off the first chain)."""
@@ -103,7 +125,7 @@ def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0):
     for i in range(n):
         out = gen.generate(prompt, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=seed * 1_000_003 + i, stop_ids=[],
-                           adaptive=False, tree=tree)
+                           adaptive=False, tree=tree, **penalties)
         a, b, c = out.tokens
         counts[(a * V + b) * V + c] += 1
         proposed += out.stats.proposed
@@ -140,6 +162,34 @@ def test_speculative_sampling_matches_plain_sampling(pair, params, proposer, gam
     assert (law > 1e-3).sum() >= 8  # a law with real spread, or the test would say little
     counts = sample_counts(gen, prompt, proposer, gamma, params, seed=gamma)
     assert goodness_of_fit(counts, law) > P_MIN
+
+
+PENALTIES = dict(repetition_penalty=1.5, presence_penalty=0.6, frequency_penalty=0.4)
+
+
+@pytest.mark.parametrize("proposer, gamma, tree", [("none", 0, 0), ("draft", 2, 0), ("ngram", 4, 0), ("draft", 2, 8)])
+def test_sampling_with_penalties_matches_the_penalized_law(pair, proposer, gamma, tree):
+    """Repetition, presence and frequency penalties (runtime/penalties.py): the third token's law depends on the
+    first two, so each verify row must be penalized with the drafts before it."""
+    gen, model, prompt = pair
+    params = SETTINGS[0]
+    law = exact_law(model, prompt, params, PENALTIES)
+    assert np.abs(law - exact_law(model, prompt, params)).sum() > 0.2  # the penalties move the law
+    counts = sample_counts(gen, prompt, proposer, gamma, params, seed=13 + gamma + tree, n=2000, tree=tree,
+                           **PENALTIES)
+    assert goodness_of_fit(counts, law) > P_MIN
+
+
+def test_rows_penalized_without_their_drafts_are_caught(pair, monkeypatch):
+    """Penalizing every verify row with the committed text alone (ignoring the drafts before it) skews the
+    output: the test above would see it."""
+    from specedge.runtime.penalties import PenaltyState
+
+    gen, model, prompt = pair
+    apply = PenaltyState.apply
+    monkeypatch.setattr(PenaltyState, "apply", lambda self, logits, prefixes: apply(self, logits, [[]] * len(prefixes)))
+    counts = sample_counts(gen, prompt, "draft", 2, SETTINGS[0], seed=15, n=2000, **PENALTIES)
+    assert goodness_of_fit(counts, exact_law(model, prompt, SETTINGS[0], PENALTIES)) < P_MIN
 
 
 @pytest.fixture(scope="module")
