@@ -100,10 +100,11 @@ class BatchRunner:
     # -- rows in and out -----------------------------------------------------------------------------
     def check(self, prompts: list[list[int]], max_new_tokens: int, proposer: str, gamma: int,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-              presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> tuple[SamplingParams, Penalties]:
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              min_p: float = 0.0) -> tuple[SamplingParams, Penalties]:
         """Refuse what the rows cannot run (GenerationError); returns the sampling parameters and penalties."""
         try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         except ValueError as e:
             raise GenerationError(str(e)) from None
@@ -122,11 +123,11 @@ class BatchRunner:
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-              frequency_penalty: float = 0.0) -> Row:
+              frequency_penalty: float = 0.0, min_p: float = 0.0) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = token_ids(prompt)
         params, penalties = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
-                                       repetition_penalty, presence_penalty, frequency_penalty)
+                                       repetition_penalty, presence_penalty, frequency_penalty, min_p)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         if self.rows[b] is not None:
@@ -431,7 +432,8 @@ class BatchGenerator:
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                        adaptive: bool = True, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
-                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[GenerationResult]:
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       min_p: float = 0.0) -> list[GenerationResult]:
         """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
         prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
         (continuous batching), so the verify steps stay full while the sequences end at different rounds.
@@ -442,10 +444,9 @@ class BatchGenerator:
             raise GenerationError("no prompts")
         prompts = [token_ids(p, f" {i}") for i, p in enumerate(prompts)]
         runner = self.runner
-        penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                         frequency_penalty=frequency_penalty)
-        # before any row starts
-        runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p, **penalties)
+        more = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, min_p=min_p)  # the keywords check and admit share
+        runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p, **more)  # before any row
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
@@ -458,7 +459,7 @@ class BatchGenerator:
                 i = waiting.pop(0)
                 runner.admit(b, prompts[i], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
                              None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens,
-                             **penalties)
+                             **more)
                 running[b] = i
             while runner.prefill_step():
                 pass

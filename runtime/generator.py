@@ -155,7 +155,8 @@ class Generator:
                stop_ids: list[int] | None = None, stats: Stats | None = None,
                ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True, reuse: bool = False,
                tree: int = 0, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Iterator[list[int]]:
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               min_p: float = 0.0) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -174,7 +175,7 @@ class Generator:
         and `frequency_penalty` (OpenAI's, in [-2, 2], over the output) change the target's law; speculation
         stays exact for the penalized law (runtime/penalties.py)."""
         try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
         except ValueError as e:
             raise GenerationError(str(e)) from None
@@ -318,13 +319,14 @@ class Generator:
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
                  min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0) -> GenerationResult:
+                 frequency_penalty: float = 0.0, min_p: float = 0.0) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
                                stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
                                min_new_tokens=min_new_tokens, repetition_penalty=repetition_penalty,
-                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty):
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               min_p=min_p):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)

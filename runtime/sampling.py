@@ -27,11 +27,12 @@ def is_int(x: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy (argmax); top_k 0 and top_p 1 = off. Validated on construction."""
+    """temperature 0 = greedy (argmax); top_k 0, top_p 1 and min_p 0 = off. Validated on construction."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,6 +45,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {k!r}")
         if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a finite number in (0, 1] (1 = off), got {p!r}")
+        m = self.min_p
+        if not _is_real(m) or not math.isfinite(m) or not 0 <= m <= 1:
+            raise ValueError(f"min_p must be a finite number in [0, 1] (0 = off), got {m!r}")
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +62,8 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """logits float [N, V] (or [V]) -> probs float64, same shape, each row summing to 1.
 
-    Order as in HF transformers' generate: temperature, top-k, then top-p on the top-k distribution.
+    Order as in HF transformers' generate: temperature, top-k, top-p on the top-k distribution, then min-p on
+    what is left (llama.cpp's and vLLM's min_p: tokens less likely than min_p times the top token go).
     -inf logits are allowed (masked tokens, probability 0); NaN, +inf and all -inf rows are errors.
 
     Ties are kept whole, so the kept set depends only on the values, never on token ids or sort order:
@@ -90,7 +95,10 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         # rounds below top_p (then everything is kept).
         cut = np.minimum((np.cumsum(desc, axis=-1) < params.top_p).sum(axis=-1), v - 1)
         smallest_kept = np.take_along_axis(desc, cut[..., None], axis=-1)
-        probs = _softmax(np.where(probs >= smallest_kept, x, -np.inf))
+        x = np.where(probs >= smallest_kept, x, -np.inf)
+        probs = _softmax(x)
+    if params.min_p > 0:  # the top token always stays: its probability is the maximum
+        probs = _softmax(np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), x, -np.inf))
     return probs
 
 

@@ -200,7 +200,7 @@ class SerialEngine(Engine):
         rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=req.proposer or cfg.proposer,
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
                                  top_p=req.top_p, seed=req.seed, stats=stats, reuse=True,
-                                 min_new_tokens=req.min_tokens, **req.penalties())
+                                 min_new_tokens=req.min_tokens, **req.extra_sampling())
         try:
             for new in rounds:
                 if self._emit(job, text, new) or job.cancelled.is_set():
@@ -265,7 +265,7 @@ class BatchEngine(Engine):
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
                              req.temperature, req.top_k, req.top_p, req.seed, min_new_tokens=req.min_tokens,
-                             **req.penalties())
+                             **req.extra_sampling())
             except SpecedgeError as e:
                 self.metrics.count_request("error")
                 job.publish(Event("error", text=str(e), status=400))

@@ -54,13 +54,14 @@ class CompletionRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension (HF's definition)
+    min_p: float = 0.0  # vLLM's extension
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def penalties(self) -> dict:
-        """The runtime's keyword arguments for the penalties."""
+    def extra_sampling(self) -> dict:
+        """The runtime's keyword arguments for the penalties and min_p."""
         return dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty)
+                    frequency_penalty=self.frequency_penalty, min_p=self.min_p)
 
 
 def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
@@ -126,7 +127,7 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
         raise RequestError("repetition_penalty must be a number > 0 (1 = off)", param="repetition_penalty")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
-                             float(repetition))
+                             float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0))
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:

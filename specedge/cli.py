@@ -151,6 +151,9 @@ def _add_sampling(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely one, in [0, 1] (0 = off; "
+                   "llama.cpp's and vLLM's min_p)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="divide positive logits (multiply negative ones) of every token in the prompt or output by "
                    "R, as HF generate's (default 1: off; 1.1-1.3 curbs loops). Speculation stays exact")
@@ -230,9 +233,10 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
     return prompts
 
 
-def _penalties(a) -> dict:
+def _extra_sampling(a) -> dict:
+    """The penalties and min_p, keywords of generate and generate_batch alike."""
     return dict(repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                frequency_penalty=a.frequency_penalty)
+                frequency_penalty=a.frequency_penalty, min_p=a.min_p)
 
 
 def _run_generate_batch(a) -> int:
@@ -249,7 +253,7 @@ def _run_generate_batch(a) -> int:
         prompts = _batch_prompts(gen, a.prompts)
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                     seed=a.seed, min_new_tokens=a.min_new_tokens, **_penalties(a))
+                                     seed=a.seed, min_new_tokens=a.min_new_tokens, **_extra_sampling(a))
     finally:
         gen.close()
     for i, r in enumerate(results):
@@ -283,7 +287,7 @@ def _run_generate(a) -> int:
     stats = Stats()
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats,
-                  min_new_tokens=a.min_new_tokens, **_penalties(a))
+                  min_new_tokens=a.min_new_tokens, **_extra_sampling(a))
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):

@@ -33,7 +33,7 @@ class ScriptedRng:
         return self.values.pop(0)
 
 
-def reference_probs(row, temperature, top_k=0, top_p=1.0):
+def reference_probs(row, temperature, top_k=0, top_p=1.0, min_p=0.0):
     """Plain-Python, one row, straight from the definitions (ties kept whole, as documented)."""
 
     def softmax(x):
@@ -53,7 +53,11 @@ def reference_probs(row, temperature, top_k=0, top_p=1.0):
             if mass >= top_p:
                 smallest = v
                 break
-        probs = softmax([v if pr >= smallest else -math.inf for v, pr in zip(x, probs)])
+        x = [v if pr >= smallest else -math.inf for v, pr in zip(x, probs)]
+        probs = softmax(x)
+    if min_p > 0:
+        top = max(probs)
+        probs = softmax([v if pr >= min_p * top else -math.inf for v, pr in zip(x, probs)])
     return probs
 
 
@@ -89,6 +93,10 @@ def test_params_accept_numpy_scalars():
         ({"top_p": 1.0001}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
         ({"top_p": math.inf}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"min_p": "0.1"}, "min_p"),
     ],
 )
 def test_params_reject_bad_values(kwargs, field):
@@ -163,8 +171,9 @@ def test_matches_reference_on_random_logits():
         t = float(rng.choice([0.3, 0.7, 1.0, 1.5]))
         k = int(rng.integers(0, v + 2))
         top_p = float(rng.choice([1.0, 0.95, 0.8, 0.5, 0.1]))
-        got = probs_from_logits(row, SamplingParams(t, top_k=k, top_p=top_p))
-        want = reference_probs(row, t, k, top_p)
+        min_p = float(rng.choice([0.0, 0.0, 0.05, 0.2, 0.6, 1.0]))
+        got = probs_from_logits(row, SamplingParams(t, top_k=k, top_p=top_p, min_p=min_p))
+        want = reference_probs(row, t, k, top_p, min_p)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300, err_msg=f"trial {trial}")
 
 
@@ -301,3 +310,25 @@ def test_emittable_drafts_stops_at_the_first_held_back_stop_id():
     assert emittable_drafts([5, 6], 0, 10, []) == 2
     assert emittable_drafts([], 0, 10, stop) == 0
     assert emittable_drafts(np.array([4, 2]), 0, 1, stop) == 2  # min 1: only position 0 was held
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7, min_p=0.1), SamplingParams(1.3, top_k=9, top_p=0.8, min_p=0.3),
+                                    SamplingParams(1.0, min_p=1.0)])
+def test_min_p_matches_transformers_warpers(params):
+    """transformers' generate: temperature, top-k, top-p, then MinPLogitsWarper (tokens below min_p times the
+    top token's probability go), then softmax."""
+    import torch
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    logits = np.random.default_rng(4).standard_normal((8, 60)).astype(np.float32) * 3
+    scores = torch.tensor(logits, dtype=torch.float64)
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    warpers += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    warpers += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    for warp in warpers + [MinPLogitsWarper(params.min_p)]:
+        scores = warp(None, scores)
+    want = torch.softmax(scores, dim=-1).numpy()
+    got = probs_from_logits(logits, params)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-15)
+    assert ((got > 0).sum(axis=1) < 60).all()  # min_p removed tokens in every row

@@ -65,8 +65,8 @@ def branching_prompt(model) -> list[int]:
 def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Next-token distributions [N, V] as transformers' generate() makes them: temperature, then top-k, then
     top-p (its LogitsWarpers, in that order), then softmax; in float64."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
 
     scores = torch.tensor(logits, dtype=torch.float64)
     warpers = [TemperatureLogitsWarper(params.temperature)]
@@ -74,6 +74,8 @@ def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         warpers.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0:
+        warpers.append(MinPLogitsWarper(params.min_p))
     for warp in warpers:
         scores = warp(None, scores)
     return torch.softmax(scores, dim=-1).numpy()
@@ -124,7 +126,8 @@ def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **pen
     proposed = accepted = tree_rounds = off_chain = 0
     for i in range(n):
         out = gen.generate(prompt, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
-                           top_k=params.top_k, top_p=params.top_p, seed=seed * 1_000_003 + i, stop_ids=[],
+                           top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed * 1_000_003 + i,
+                           stop_ids=[],
                            adaptive=False, tree=tree, **penalties)
         a, b, c = out.tokens
         counts[(a * V + b) * V + c] += 1
@@ -161,6 +164,18 @@ def test_speculative_sampling_matches_plain_sampling(pair, params, proposer, gam
     law = exact_law(model, prompt, params)
     assert (law > 1e-3).sum() >= 8  # a law with real spread, or the test would say little
     counts = sample_counts(gen, prompt, proposer, gamma, params, seed=gamma)
+    assert goodness_of_fit(counts, law) > P_MIN
+
+
+@pytest.mark.parametrize("proposer, gamma, tree", [("draft", 2, 0), ("ngram", 4, 0), ("draft", 2, 8)])
+def test_sampling_with_min_p_matches_plain_sampling(pair, proposer, gamma, tree):
+    """min_p (transformers' MinPLogitsWarper after temperature): p and q both lose their unlikely tokens, and
+    acceptance keeps the min-p law."""
+    gen, model, prompt = pair
+    params = SamplingParams(temperature=1.0, min_p=0.1)
+    law = exact_law(model, prompt, params)
+    assert np.abs(law - exact_law(model, prompt, SETTINGS[0])).sum() > 0.05  # min_p moves the law
+    counts = sample_counts(gen, prompt, proposer, gamma, params, seed=17 + gamma + tree, n=2000, tree=tree)
     assert goodness_of_fit(counts, law) > P_MIN
 
 

@@ -213,6 +213,7 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
      "frequency_penalty"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "repetition_penalty": 0}, 400,
      "repetition_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_p": 1.5}, 400, "min_p"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
