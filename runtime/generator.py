@@ -173,7 +173,8 @@ class Generator:
 
         `repetition_penalty` (HF's: > 1 discourages every token of the prompt and output), `presence_penalty`
         and `frequency_penalty` (OpenAI's, in [-2, 2], over the output) change the target's law; speculation
-        stays exact for the penalized law (runtime/penalties.py)."""
+        stays exact for the penalized law (runtime/penalties.py). `top_k`, `top_p` and `min_p` filter the
+        target's and the draft's distributions alike (sampling.probs_from_logits)."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
