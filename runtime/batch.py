@@ -47,6 +47,7 @@ from .generator import (GenerationResult, check_min_new_tokens, check_request, c
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
+from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
@@ -74,6 +75,8 @@ class Row:
     reason: str = ""  # why it finished ("" while it runs)
     min_new_tokens: int = 0  # the stop ids are held back until the output has this many tokens
     penalty: PenaltyState | None = None  # repetition / presence / frequency penalties (None: off)
+    logprobs: int | None = None  # alternatives per token when the row reports logprobs (None: off)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
     # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
     draft_prefill: list[int] = field(default_factory=list)  # prompt tokens its cache still lacks
     draft_behind: list[int] = field(default_factory=list)  # committed tokens it lacks, the pending one excluded
@@ -123,13 +126,14 @@ class BatchRunner:
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-              frequency_penalty: float = 0.0, min_p: float = 0.0) -> Row:
+              frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = token_ids(prompt)
         params, penalties = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
                                        repetition_penalty, presence_penalty, frequency_penalty, min_p)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
+        check_logprobs(logprobs)
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is busy")
         self.warm(gamma if proposer != "none" else 0)
@@ -146,7 +150,8 @@ class BatchRunner:
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
                   Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt),
                   min_new_tokens=min_new_tokens,
-                  penalty=None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt))
+                  penalty=None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt),
+                  logprobs=logprobs)
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)
@@ -291,6 +296,7 @@ class BatchRunner:
         for b, d in drafts.items():
             row = self.rows[b]
             rows_b = logits[b, :len(d) + 1]
+            raw = rows_b.copy() if row.logprobs is not None else None  # row j chose the j-th new token
             if row.penalty is not None:
                 rows_b = row.penalty.apply(rows_b, [d[:j] for j in range(len(d) + 1)])
             if len(row.output) < row.min_new_tokens:  # row j chooses new token len(output) + j
@@ -318,6 +324,8 @@ class BatchRunner:
             row.output += new
             if row.penalty is not None:
                 row.penalty.commit(new)
+            if raw is not None:
+                row.token_logprobs += token_logprobs(raw[:len(new)], new, row.logprobs)
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
@@ -433,7 +441,7 @@ class BatchGenerator:
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                        adaptive: bool = True, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                       min_p: float = 0.0) -> list[GenerationResult]:
+                       min_p: float = 0.0, logprobs: int | None = None) -> list[GenerationResult]:
         """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
         prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
         (continuous batching), so the verify steps stay full while the sequences end at different rounds.
@@ -449,6 +457,7 @@ class BatchGenerator:
         runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p, **more)  # before any row
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
+        check_logprobs(logprobs)
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
         self.target.reset()
         waiting = list(range(len(prompts)))
@@ -459,7 +468,7 @@ class BatchGenerator:
                 i = waiting.pop(0)
                 runner.admit(b, prompts[i], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
                              None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens,
-                             **more)
+                             logprobs=logprobs, **more)
                 running[b] = i
             while runner.prefill_step():
                 pass
@@ -467,5 +476,6 @@ class BatchGenerator:
             for b in [b for b in running if runner.rows[b].reason]:
                 r = runner.release(b)
                 results[running.pop(b)] = GenerationResult(
-                    r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None)
+                    r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None,
+                    r.token_logprobs if logprobs is not None else None)
         return results

@@ -28,6 +28,7 @@ from .tree_acceptance import accept_tree, accept_tree_greedy
 from .backends import create_backend
 from .draft_length import DraftLength, TreeChoice
 from .exactness import warn_if_unverified
+from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .model import ModelRunner
 from .penalties import Penalties, PenaltyState
 from .kv_cache import SharedKVCache
@@ -45,6 +46,7 @@ class GenerationResult:
     tokens: list[int]
     stats: Stats
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for (runtime/logprobs.py)
 
 
 class Generator:
@@ -156,7 +158,8 @@ class Generator:
                ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True, reuse: bool = False,
                tree: int = 0, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               min_p: float = 0.0) -> Iterator[list[int]]:
+               min_p: float = 0.0, logprobs: int | None = None,
+               logprobs_out: list[TokenLogprob] | None = None) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -174,7 +177,11 @@ class Generator:
         `repetition_penalty` (HF's: > 1 discourages every token of the prompt and output), `presence_penalty`
         and `frequency_penalty` (OpenAI's, in [-2, 2], over the output) change the target's law; speculation
         stays exact for the penalized law (runtime/penalties.py). `top_k`, `top_p` and `min_p` filter the
-        target's and the draft's distributions alike (sampling.probs_from_logits)."""
+        target's and the draft's distributions alike (sampling.probs_from_logits).
+
+        `logprobs` N (0..20): append each committed token's TokenLogprob (its log-probability and the N most
+        likely tokens', from the raw row that chose it: runtime/logprobs.py) to `logprobs_out`, a round's
+        entries before its tokens are yielded."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
@@ -184,6 +191,9 @@ class Generator:
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
+        check_logprobs(logprobs)
+        if logprobs is not None and not isinstance(logprobs_out, list):
+            raise GenerationError("logprobs needs logprobs_out, a list to append each token's logprobs to")
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
@@ -229,6 +239,7 @@ class Generator:
                 base = target.cache.used
                 if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
+                    raw = logits.copy() if logprobs is not None else None  # row j chose the j-th new token
                     logits = penalty.apply(logits, [proposal.tokens[:j] for j in range(len(logits))])
                     if emitted < min_new_tokens:  # row j chooses new token emitted + j
                         logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, stop)
@@ -245,8 +256,9 @@ class Generator:
                     accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
                     hold = (emitted, min_new_tokens, stop)
-                    accepted, next_token, depth = self._verify_tree(proposal, context[-1], base, params, sampler,
-                                                                    drafter, length, stats, hold, penalty)
+                    accepted, next_token, depth, raw = self._verify_tree(
+                        proposal, context[-1], base, params, sampler, drafter, length, stats, hold, penalty,
+                        keep_raw=logprobs is not None)
                     t2 = time.perf_counter()
                 new = accepted + [int(next_token)]
                 for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
@@ -261,6 +273,8 @@ class Generator:
                 context += new
                 emitted += len(new)
                 penalty.commit(new)
+                if raw is not None:
+                    logprobs_out += token_logprobs(raw[:len(new)], new, logprobs)
                 stats.record_round(len(proposal.tokens), len(new) - 1, depth)
                 stats.record_tokens(len(new))
                 stats.draft_ms += (t1 - t0) * 1e3
@@ -276,13 +290,14 @@ class Generator:
             stats.finish(reason or ("cancelled" if clean else "error"))
 
     def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats, hold,
-                     penalty: PenaltyState):
+                     penalty: PenaltyState, keep_raw: bool = False):
         """One verify step over a token tree (spine plus leaves, runtime/tree.py); commit the accepted path.
         hold = (tokens emitted so far, min_new_tokens, stop ids). Returns (accepted tokens, next token, the
-        tree's depth)."""
+        tree's depth, and with keep_raw the raw rows that chose them, else None)."""
         tokens, parents = proposal.tokens, proposal.parents
         layout = TreeLayout.build(pending, tokens, parents)
         logits = self.target.run_tree(layout)  # [N+1, V]
+        raw = logits.copy() if keep_raw else None
         logits = penalty.apply(logits, layout.prefixes())
         emitted, min_new_tokens, stop = hold
         if emitted < min_new_tokens:  # row r chooses new token emitted + depth(r)
@@ -304,7 +319,8 @@ class Generator:
         stats.tree_rounds += 1
         stats.tree_nodes += len(tokens)
         stats.off_chain_accepted += off_chain
-        return [tokens[i] for i in path], next_token, int(layout.depth.max())
+        chose = [0] + [i + 1 for i in path]  # the root's row chose the first token, node i's row the next
+        return [tokens[i] for i in path], next_token, int(layout.depth.max()), None if raw is None else raw[chose]
 
     def _keep_history(self, committed: list[int] | None, drafter) -> None:
         """Record what the caches hold after a generation, for the next prefill to reuse (None: unknown)."""
@@ -320,17 +336,18 @@ class Generator:
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
                  min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, min_p: float = 0.0) -> GenerationResult:
+                 frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
+        entries: list[TokenLogprob] | None = [] if logprobs is not None else None
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
                                stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
                                min_new_tokens=min_new_tokens, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                               min_p=min_p):
+                               min_p=min_p, logprobs=logprobs, logprobs_out=entries):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
-        return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text)
+        return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text, entries)
 
 
 def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: int) -> None:

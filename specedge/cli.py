@@ -163,6 +163,9 @@ def _add_sampling(p) -> None:
                    help="lower the logits of tokens the output holds by X per occurrence, in [-2, 2] (OpenAI's; "
                    "default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json or --prompts: each token's log-probability and the N (0..20) most likely "
+                   "alternatives', from the model's raw distribution (before temperature, filters and penalties)")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn (Qualcomm HTP, "
                    "or its x86 emulator: pip install onnxruntime-qnn)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
@@ -253,13 +256,18 @@ def _run_generate_batch(a) -> int:
         prompts = _batch_prompts(gen, a.prompts)
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                                     seed=a.seed, min_new_tokens=a.min_new_tokens, **_extra_sampling(a))
+                                     seed=a.seed, min_new_tokens=a.min_new_tokens, logprobs=a.logprobs,
+                                     **_extra_sampling(a))
     finally:
         gen.close()
     for i, r in enumerate(results):
         print(json.dumps({"index": i, "prompt_ids": r.prompt_ids, "tokens": r.tokens, "text": r.text,
-                          "stats": r.stats.to_json()}))
+                          "stats": r.stats.to_json(), **_logprobs_json(r.logprobs)}))
     return 0
+
+
+def _logprobs_json(entries) -> dict:
+    return {} if entries is None else {"logprobs": [e.to_json() for e in entries]}
 
 
 def _open_session(gen, path: str):
@@ -275,6 +283,10 @@ def _run_generate(a) -> int:
 
     from .runtime.generator import Generator
 
+    if a.logprobs is not None and not (a.json or a.prompts):
+        from .errors import GenerationError
+
+        raise GenerationError("--logprobs needs --json (or --prompts): the text stream has no place for them")
     if a.prompts:
         return _run_generate_batch(a)
     from .runtime.stats import Stats
@@ -288,6 +300,10 @@ def _run_generate(a) -> int:
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats,
                   min_new_tokens=a.min_new_tokens, **_extra_sampling(a))
+    entries = None
+    if a.logprobs is not None:
+        entries = []
+        kwargs.update(logprobs=a.logprobs, logprobs_out=entries)
     tokens: list[int] = []
     decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):
@@ -302,7 +318,8 @@ def _run_generate(a) -> int:
         session.save(a.session)
     if a.json:
         text = gen.tokenizer.decode(tokens) if gen.tokenizer else None
-        print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "stats": stats.to_json()}))
+        print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "stats": stats.to_json(),
+                          **_logprobs_json(entries)}))
     else:
         print()
         print(stats.summary(), file=sys.stderr)

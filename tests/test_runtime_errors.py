@@ -38,6 +38,8 @@ def assert_clean_error(r, expected):
     (["--prompt-ids", "5,6", "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
     (["--prompt-ids", "5,6", "--presence-penalty", "-3"], "presence_penalty must be a number in [-2, 2]"),
     (["--prompt-ids", "5,6", "--temperature", "1", "--min-p", "-0.5"], "min_p must be a finite number in [0, 1]"),
+    (["--prompt-ids", "5,6", "--logprobs", "2"], "--logprobs needs --json"),
+    (["--prompt-ids", "5,6", "--json", "--logprobs", "21"], "logprobs must be an int in 0..20"),
     (["--prompt-ids", "5,6", "--threads", "0"], "threads must be at least 1, not 0"),
     (["--prompt-ids", "5,6", "--temperature", "1", "--seed", "-1"], "seed must be an int >= 0 (or left out), not -1"),
     (["--prompt", "t5 t6", "--chat", "--prompt-ids", "1"], ""),  # argparse: mutually exclusive (exit 2)
