@@ -121,7 +121,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None):
         return await _collect(job, model, request)
 
     async def _collect(job: Job, model: str, request: Request):
-        parts = []
+        parts, logprobs = [], []
         try:
             while True:
                 try:
@@ -132,11 +132,12 @@ def create_app(config: ServerConfig, engine: Engine | None = None):
                     continue
                 if ev.kind == "text":
                     parts.append(ev.text)
+                    logprobs += ev.logprobs or []
                 elif ev.kind == "error":
                     return error(ev.status, ev.text, "server_error" if ev.status >= 500 else "invalid_request_error")
                 else:
                     return completion_body(job.request, model, "".join(parts), ev.finish, _usage(job, ev),
-                                           _extra(ev))
+                                           _extra(ev), logprobs)
         finally:
             job.cancel()  # a no-op when it finished
 
@@ -178,7 +179,7 @@ async def _sse(job: Job, model: str):
         while True:
             ev: Event = await job.events.get()
             if ev.kind == "text":
-                yield data(chunk_body(req, model, ev.text, None))
+                yield data(chunk_body(req, model, ev.text, None, logprobs=ev.logprobs))
             elif ev.kind == "error":  # the status line is gone: OpenAI-style error event, then the end
                 yield data(error_body(ev.text, "server_error" if ev.status >= 500 else "invalid_request_error"))
                 return

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..errors import SpecedgeError
 from ..runtime.generator import Generator, check_speculation
+from ..runtime.logprobs import TokenLogprob
 from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
 from .metrics import Metrics
@@ -47,6 +48,7 @@ class Event:
     finish: str | None = None  # done: "stop" or "length"
     stats: Stats | None = None
     status: int = 500  # error
+    logprobs: list[dict] | None = None  # text: the logprobs of the tokens whose text it carries (when asked)
 
 
 @dataclass
@@ -139,24 +141,45 @@ class Engine:
             self._pending -= 1
 
     # -- what both workers send a job -----------------------------------------------------------------------
-    def _text(self, req: CompletionRequest) -> TextStream | None:
+    def _text(self, req: CompletionRequest) -> TextStream:
         tok = self.gen.tokenizer
-        return TextStream(tok.decode, req.stop) if tok else None
+        # a bundle without a tokenizer answers in token ids, "5 6 7 "
+        return TextStream(tok.decode, req.stop) if tok else TextStream(lambda ids: "".join(f"{i} " for i in ids), [])
 
-    @staticmethod
-    def _emit(job: Job, text: TextStream | None, new: list[int]) -> bool:
-        """Publish what a round's tokens add to the text; True when a stop string ended it."""
-        piece = text.push(new) if text else " ".join(map(str, new)) + " "
-        if piece:
-            job.publish(Event("text", piece))
-        return bool(text and text.stopped)
+    def _token_text(self, token: int) -> str:
+        tok = self.gen.tokenizer
+        return tok.decode([token]) if tok else str(token)
 
-    def _complete(self, job: Job, text: TextStream | None, stats: Stats) -> None:
+    def _logprob_items(self, text: TextStream, entries: list[TokenLogprob]) -> list[dict]:
+        """The round's tokens (the last len(entries) of `text`) as protocol.logprobs_body reads them; after a
+        stop string only those whose text starts before it."""
+        items = []
+        for e, start in zip(entries, text.starts(len(entries))):
+            if text.stopped and start >= text.sent:
+                break
+            items.append({"token": self._token_text(e.token), "logprob": e.logprob, "bytes": self._bytes(e.token),
+                          "offset": start,
+                          "top": [(self._token_text(t), lp, self._bytes(t)) for t, lp in e.top]})
+        return items
+
+    def _bytes(self, token: int) -> list[int] | None:
+        s = self._token_text(token)
+        return None if "\ufffd" in s else list(s.encode())  # part of a character: no bytes of its own
+
+    def _emit(self, job: Job, text: TextStream, new: list[int], entries: list[TokenLogprob] | None = None) -> bool:
+        """Publish what a round's tokens add to the text (and their logprobs); True when a stop string ended it."""
+        piece = text.push(new)
+        items = self._logprob_items(text, entries) if entries is not None else None
+        if piece or items:
+            job.publish(Event("text", piece, logprobs=items))
+        return text.stopped
+
+    def _complete(self, job: Job, text: TextStream, stats: Stats) -> None:
         """The rest of the text, the metrics, and the done event of a job that ran to its end."""
-        rest = text.flush() if text else ""
+        rest = text.flush()
         if rest:
             job.publish(Event("text", rest))
-        finish = "stop" if (text and text.stopped) or stats.stop_reason == "stop" else "length"
+        finish = "stop" if text.stopped or stats.stop_reason == "stop" else "length"
         self.metrics.record(stats, time.perf_counter() - job.submitted)
         job.publish(Event("done", finish=finish, stats=stats))
 
@@ -197,13 +220,16 @@ class SerialEngine(Engine):
         self.store.prepare(job.prompt_ids)
         stats = Stats()
         text = self._text(req)
+        entries = [] if req.logprobs is not None else None
         rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=req.proposer or cfg.proposer,
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
                                  top_p=req.top_p, seed=req.seed, stats=stats, reuse=True,
-                                 min_new_tokens=req.min_tokens, **req.extra_sampling())
+                                 min_new_tokens=req.min_tokens, logprobs=req.logprobs, logprobs_out=entries,
+                                 **req.extra_sampling())
         try:
             for new in rounds:
-                if self._emit(job, text, new) or job.cancelled.is_set():
+                if self._emit(job, text, new, None if entries is None else entries[-len(new):]) \
+                        or job.cancelled.is_set():
                     break
         finally:
             rounds.close()  # ends the generation cleanly: its cache stays reusable
@@ -222,7 +248,7 @@ class BatchEngine(Engine):
 
     def _work(self) -> None:
         runner = self.gen.runner
-        jobs: dict[int, tuple[Job, TextStream | None]] = {}
+        jobs: dict[int, tuple[Job, TextStream]] = {}
         while True:
             if not self._admit(runner, jobs):
                 return
@@ -230,7 +256,8 @@ class BatchEngine(Engine):
                 self._cancel(runner, jobs)
                 runner.prefill_step()
                 for b, new in runner.decode_step().items():
-                    if self._emit(*jobs[b], new):
+                    row = runner.rows[b]
+                    if self._emit(*jobs[b], new, row.token_logprobs[-len(new):] if row.logprobs is not None else None):
                         runner.finish(b, "stop_string")
                 for b in [b for b, row in enumerate(runner.rows) if row is not None and row.reason]:
                     job, text = jobs.pop(b)
@@ -265,7 +292,7 @@ class BatchEngine(Engine):
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
                              req.temperature, req.top_k, req.top_p, req.seed, min_new_tokens=req.min_tokens,
-                             **req.extra_sampling())
+                             logprobs=req.logprobs, **req.extra_sampling())
             except SpecedgeError as e:
                 self.metrics.count_request("error")
                 job.publish(Event("error", text=str(e), status=400))

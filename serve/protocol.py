@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..runtime.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
 from ..runtime.sampling import is_int
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -55,6 +56,7 @@ class CompletionRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension (HF's definition)
     min_p: float = 0.0  # vLLM's extension
+    logprobs: int | None = None  # alternatives reported per token (chat: top_logprobs); None: no logprobs
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -76,7 +78,7 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     n = body.get("n", 1)
     if n != 1:
         raise RequestError("n > 1 is not supported: send one request per choice", param="n", code="unsupported")
-    for name in ("logprobs", "tools", "functions", "response_format", "logit_bias", "suffix", "echo"):
+    for name in ("tools", "functions", "response_format", "logit_bias", "suffix", "echo"):
         if body.get(name) not in (None, False, {}, []):
             raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
     if body.get("best_of", 1) != 1:
@@ -127,7 +129,24 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
         raise RequestError("repetition_penalty must be a number > 0 (1 = off)", param="repetition_penalty")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
-                             float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0))
+                             float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0), _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: logprobs (bool) and top_logprobs (0..20); completions: logprobs (0..20 alternatives, or null)."""
+    if chat:
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise RequestError("logprobs must be a boolean", param="logprobs")
+        if top is not None and (not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if top is not None and not wanted:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    n = body.get("logprobs")
+    if n is not None and (not is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} or null", param="logprobs")
+    return n
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -176,25 +195,42 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(req: CompletionRequest, model: str, text: str, finish: str, use: dict, extra: dict) -> dict:
+def logprobs_body(req: CompletionRequest, items: list[dict] | None) -> dict | None:
+    """OpenAI's logprobs object for the tokens `items` (engine.Engine._logprob_items) describe."""
+    if req.logprobs is None:
+        return None
+    items = items or []
+    if req.chat:
+        return {"content": [{"token": i["token"], "logprob": i["logprob"], "bytes": i["bytes"],
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in i["top"]]}
+                            for i in items]}
+    return {"tokens": [i["token"] for i in items], "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [{t: lp for t, lp, _ in i["top"]} for i in items],
+            "text_offset": [i["offset"] for i in items]}
+
+
+def completion_body(req: CompletionRequest, model: str, text: str, finish: str, use: dict, extra: dict,
+                    logprobs: list[dict] | None = None) -> dict:
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": logprobs_body(req, logprobs)}
         kind, prefix = "chat.completion", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs_body(req, logprobs)}
         kind, prefix = "text_completion", "cmpl-"
     return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice],
             "usage": use, "specedge": extra}
 
 
-def chunk_body(req: CompletionRequest, model: str, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk_body(req: CompletionRequest, model: str, text: str | None, finish: str | None, first: bool = False,
+               logprobs: list[dict] | None = None) -> dict:
+    lp = logprobs_body(req, logprobs) if logprobs else None
     if req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         kind, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         kind, prefix = "text_completion", "cmpl-"
     return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice]}
 

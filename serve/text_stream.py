@@ -34,6 +34,15 @@ class TextStream:
         return self._release(text, len(text))
 
     @property
+    def sent(self) -> int:
+        """Characters released so far."""
+        return self._sent
+
+    def starts(self, n: int) -> list[int]:
+        """Where the text of each of the last n tokens starts (a character offset into the whole text)."""
+        return [len(self._decode(self.ids[:k])) for k in range(len(self.ids) - n, len(self.ids))]
+
+    @property
     def text(self) -> str:
         """All text released so far."""
         return self._decode(self.ids)[: self._sent]

@@ -150,6 +150,57 @@ def test_stop_strings_cut_the_text_before_them(server, oracle):
     assert "".join(c.choices[0].text for c in s if c.choices) == full[: full.index(stop)]
 
 
+def test_logprobs_are_plain_decodes_in_openai_form(server, batch_server, oracle):
+    """Chat (logprobs + top_logprobs, plain and streamed) and completions (logprobs N, with text_offset), with
+    prompt lookup, through both engines: the tokens and logprobs plain decode reports (runtime/logprobs.py)."""
+    tok = oracle.tokenizer
+    messages = [{"role": "user", "content": words(6, 30)}]
+    ids = chat_ids(oracle, messages)
+    want = oracle.generate(ids, 20, proposer="none", logprobs=3)
+    prompt = words(7, 24)
+    want_c = oracle.generate(tok.encode(prompt), 20, proposer="none", logprobs=2)
+    for s in (server, batch_server):
+        client = s.client()
+        kw = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"proposer": "ngram"})
+        r = client.chat.completions.create(**kw)
+        content = r.choices[0].logprobs.content
+        assert [c.token for c in content] == [tok.decode([t]) for t in want.tokens]
+        np.testing.assert_allclose([c.logprob for c in content], [e.logprob for e in want.logprobs], atol=1e-5)
+        for c, e in zip(content, want.logprobs):
+            assert [t.token for t in c.top_logprobs] == [tok.decode([i]) for i, _ in e.top]
+            assert c.bytes == list(c.token.encode())
+        streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) for choice in chunk.choices
+                    if choice.logprobs for c in choice.logprobs.content]
+        assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+        c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=2,
+                                      extra_body={"proposer": "ngram"}).choices[0]
+        n = len(want_c.tokens)
+        assert c.logprobs.tokens == [tok.decode([t]) for t in want_c.tokens]
+        np.testing.assert_allclose(c.logprobs.token_logprobs, [e.logprob for e in want_c.logprobs], atol=1e-5)
+        assert [len(d) for d in c.logprobs.top_logprobs] == [2] * n
+        assert c.logprobs.text_offset == [len(tok.decode(want_c.tokens[:i])) for i in range(n)]
+        assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=4).choices[0].logprobs is None
+
+
+def test_logprobs_stop_with_the_text_at_a_stop_string(server, oracle):
+    """Tokens whose text starts after a stop string are not reported; the one that starts the stop string's
+    text is cut with it too."""
+    tok = oracle.tokenizer
+    prompt = words(5, 20)
+    full = oracle.generate(tok.encode(prompt), 24, proposer="none")
+    stop = " ".join(tok.decode(full.tokens).split(" ")[3:5])
+    for stream in (False, True):
+        r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                               stop=[stop], logprobs=0, stream=stream)
+        choices = [c for chunk in r for c in chunk.choices] if stream else r.choices
+        text = "".join(c.text for c in choices)
+        offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+        assert text == tok.decode(full.tokens)[: tok.decode(full.tokens).index(stop)]
+        assert offsets and all(o < len(text) for o in offsets)
+        assert len(offsets) == sum(len(tok.decode(full.tokens[:i])) < len(text) for i in range(len(full.tokens)))
+
+
 def test_eight_concurrent_greedy_requests_equal_their_sequential_outputs(server, oracle):
     prompts = [[{"role": "user", "content": words(10 + i, 20 + 7 * i)}] for i in range(8)]
     want = [expected(oracle, chat_ids(oracle, m), 24) for m in prompts]
@@ -204,7 +255,14 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "gamma": 3}, 400, "gamma 3"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "proposer": "medusa"}, 400, "proposer"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": "yes"}, 400,
+     "logprobs must be a boolean"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "top_logprobs": 3}, 400,
+     "top_logprobs needs logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs must be an integer in 0..20"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "tools": [{"type": "function"}]}, 400,
+     "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": [1]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_tokens": -1}, 400, "min_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "presence_penalty": 2.5}, 400,
