@@ -68,6 +68,26 @@ def tiny_pair_bundle(tiny_models, tiny_near_draft_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def gen(tiny_bundle):
+    """A Generator on tiny_bundle, per test module."""
+    from specedge.runtime.generator import Generator
+
+    g = Generator.load(tiny_bundle)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="module")
+def pair_gen(tiny_pair_bundle):
+    """A Generator on tiny_pair_bundle, per test module."""
+    from specedge.runtime.generator import Generator
+
+    g = Generator.load(tiny_pair_bundle)
+    yield g
+    g.close()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     path = smollm2_gguf()

@@ -25,20 +25,6 @@ def hf_greedy(model, prompt, n=NEW):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module")
-def gen(tiny_bundle):
-    g = Generator.load(tiny_bundle)
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def pair_gen(tiny_pair_bundle):
-    g = Generator.load(tiny_pair_bundle)
-    yield g
-    g.close()
-
-
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_greedy_equals_plain_and_transformers(length, gen, pair_gen, tiny_models):
     prompt = prompt_of(length, seed=length)

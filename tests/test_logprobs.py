@@ -40,13 +40,6 @@ def hf_logprobs(model, prompt, tokens) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def gen(tiny_bundle):
-    g = Generator.load(tiny_bundle)
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
 def tree_gen(tiny_models, tmp_path_factory):
     from specedge.export.bundle import ExportOptions, export_bundle
 

@@ -8,7 +8,6 @@ import torch
 from test_generate import echo_prompt, prompt_of
 
 from specedge.errors import GenerationError
-from specedge.runtime.generator import Generator
 from specedge.runtime.penalties import Penalties, PenaltyState
 
 NEW = 40
@@ -59,20 +58,6 @@ def hf_greedy_penalized(model, prompt, repetition_penalty, n=NEW):
                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                              repetition_penalty=repetition_penalty)
     return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def gen(tiny_bundle):
-    g = Generator.load(tiny_bundle)
-    yield g
-    g.close()
-
-
-@pytest.fixture(scope="module")
-def pair_gen(tiny_pair_bundle):
-    g = Generator.load(tiny_pair_bundle)
-    yield g
-    g.close()
 
 
 def test_plain_decode_with_a_repetition_penalty_equals_transformers(gen, tiny_models):

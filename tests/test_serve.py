@@ -18,7 +18,6 @@ import pytest
 import uvicorn
 from openai import APIStatusError, OpenAI
 
-from specedge.runtime.generator import Generator
 from specedge.serve.app import ServerConfig, create_app, load_engine
 from specedge.serve.engine import EngineConfig
 
@@ -78,10 +77,9 @@ def server(tiny_bundle):
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_bundle):
-    g = Generator.load(tiny_bundle)
-    yield g
-    g.close()
+def oracle(gen):
+    """The in-process generator the server's answers are compared with."""
+    return gen
 
 
 def words(seed: int, n: int) -> str:
