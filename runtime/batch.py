@@ -152,6 +152,7 @@ class BatchRunner:
                   min_new_tokens=min_new_tokens,
                   penalty=None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt),
                   logprobs=logprobs)
+        row.sampler.penalty = row.penalty
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)

@@ -201,6 +201,7 @@ class Generator:
         stats.tree = tree
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
         penalty = PenaltyState(penalties, self.target.dims.vocab_size, prompt)
+        sampler.penalty = None if penalties.off else penalty
         drafter = self._proposer(proposer, ngram)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         choice = TreeChoice(adaptive)

@@ -4,8 +4,9 @@ A penalty makes the next token's law depend on the tokens before it. In a verify
 committed text plus drafts 0..j-1 (a tree's row follows its node's ancestors), so row j is penalized as if
 those drafts were already committed: exactly what plain decode would do at that position if they were. So
 greedy speculation still equals plain greedy decode with the same penalties, and sampling still follows the
-penalized target law (acceptance compares the drafts' q with these rows). Drafts are drawn unpenalized; any
-q keeps acceptance exact, a penalty only lowers how often they are accepted.
+penalized target law (acceptance compares the drafts' q with these rows). A draft model's drafts are
+penalized the same way, each with the round's drafts before it (proposers.Sampler), so a draft close to the
+target stays close under penalties; exactness does not depend on it (any q keeps acceptance exact).
 
 Definitions, applied in this order (vLLM's; HF `generate` has the first):
 * repetition (HF's and vLLM's `repetition_penalty`, > 0, 1 = off): every token that occurs in the prompt or
@@ -76,16 +77,19 @@ class PenaltyState:
         in_prefix = np.zeros((rows, drafted.size), np.int64)
         for r, prefix in enumerate(prefixes):
             np.add.at(in_prefix[r], np.searchsorted(drafted, np.asarray(prefix, np.int64)), 1)
+        width = logits.shape[-1]  # a draft's head may be narrower than the vocabulary: ids past it are not there
         if pen.repetition != 1:
             ids = np.union1d(self._seen_ids(), drafted)
             hit = np.broadcast_to(self.seen[ids], (rows, ids.size)).copy()
             hit[:, np.searchsorted(ids, drafted)] |= in_prefix > 0
+            ids, hit = ids[ids < width], hit[:, ids < width]
             x = logits[:rows, ids]
             logits[:rows, ids] = np.where(hit, np.where(x > 0, x / pen.repetition, x * pen.repetition), x)
         if pen.presence or pen.frequency:
             ids = np.union1d(self._output_ids(), drafted)
             count = np.broadcast_to(self.counts[ids], (rows, ids.size)).copy()
             count[:, np.searchsorted(ids, drafted)] += in_prefix
+            ids, count = ids[ids < width], count[:, ids < width]
             # subtracting 0 leaves a float32 unchanged, so tokens a row has not seen keep their logit
             logits[:rows, ids] -= (count * pen.frequency + (count > 0) * pen.presence).astype(logits.dtype)
         return logits

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from .model import ModelRunner
+from .penalties import PenaltyState
 from .sampling import (SamplingParams, emittable_drafts, emittable_nodes, greedy_token, hold_back, probs_from_logits,
                        sample_token)
 
@@ -66,6 +67,10 @@ class Sampler:
         self.params, self.rng, self.vocab_size = params, rng, vocab_size
         # (output position of this round's first draft, min_new_tokens, stop ids) while stop ids are held back
         self.held: tuple[int, int, set[int]] | None = None
+        # the generation's penalties (runtime/penalties.py), when on: drafts are penalized as the target's rows
+        # are, each with the round's drafts before it, so they are accepted as often as without penalties
+        self.penalty: PenaltyState | None = None
+        self._drafted: list[int] = []  # this round's drafts so far
 
     def hold_back(self, emitted: int, min_new_tokens: int, stop) -> None:
         """This round's drafts start at output position `emitted`: keep held-back stop ids out of them."""
@@ -74,16 +79,23 @@ class Sampler:
     def draft_from(self, logits: np.ndarray, position: int = 0) -> tuple[int, np.ndarray | None]:
         """One draft token from draft logits [V_draft] for the round's draft `position`, with its q over the
         target's vocabulary. A stop id the target holds back there gets q = 0 too: the target would reject
-        it, and the draft's next choice may be accepted (any q keeps acceptance exact)."""
+        it, and the draft's next choice may be accepted (any q keeps acceptance exact). Penalties, when on,
+        shape the draft's logits like the target's rows (in place where the array allows it)."""
+        del self._drafted[position:]
+        if self.penalty is not None:
+            logits = self.penalty.apply(logits[None], [self._drafted])[0]
         if self.held is not None:
             emitted, min_new_tokens, stop = self.held
             logits = hold_back(logits[None], [emitted + position], min_new_tokens, stop)[0]
         if self.params.greedy:
-            return greedy_token(logits[: self.vocab_size]), None
-        q = np.zeros(self.vocab_size)
-        shared = min(self.vocab_size, logits.shape[-1])  # a smaller draft head leaves q = 0 above it
-        q[:shared] = probs_from_logits(logits[None, :shared], self.params)[0]
-        return sample_token(q, self.rng), q
+            token, q = greedy_token(logits[: self.vocab_size]), None
+        else:
+            q = np.zeros(self.vocab_size)
+            shared = min(self.vocab_size, logits.shape[-1])  # a smaller draft head leaves q = 0 above it
+            q[:shared] = probs_from_logits(logits[None, :shared], self.params)[0]
+            token = sample_token(q, self.rng)
+        self._drafted.append(token)
+        return token, q
 
 
 class NoProposer:

@@ -271,6 +271,20 @@ def test_draft_model_rows_equal_their_batch_1_output(pair_gens, gamma):
                                          stop_ids=[]).tokens
 
 
+def test_draft_model_rows_with_penalties_draft_as_batch_1_does(pair_gens):
+    """Penalties shape each row's drafts with the row's own state (runtime/proposers.Sampler): the same drafts,
+    counts and sampled tokens as batch 1."""
+    g1, g3 = pair_gens
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.2)
+    for kwargs in (dict(adaptive=False), dict(temperature=0.8, seed=5)):
+        results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, stop_ids=[], **kwargs, **penalties)
+        for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
+            one = dict(kwargs, seed=kwargs["seed"] + b) if "seed" in kwargs else kwargs
+            alone = g1.generate(prompt, NEW, proposer="draft", gamma=4, stop_ids=[], **one, **penalties)
+            assert res.tokens == alone.tokens, (b, kwargs)
+            assert (res.stats.proposed, res.stats.accepted) == (alone.stats.proposed, alone.stats.accepted)
+
+
 def test_draft_model_rows_catch_up_after_rounds_without_drafts(tiny_models, tiny_draft_model, tmp_path):
     """A poor draft (an unrelated one-layer model) makes the adaptive draft length pause, so rows come back
     to drafting with several tokens their draft cache has not seen: those are prefilled before the round,
