@@ -145,14 +145,12 @@ class BatchRunner:
         self.target.cache.set_row_length(b, keep)
         stats.reused_tokens = keep
         rng = np.random.default_rng(seed)
+        penalty = None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt)
         row = Row(prompt, max_new_tokens, proposer, gamma, params, rng,
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
-                  Sampler(params, rng, self.target.dims.vocab_size), prompt[keep:-1], list(prompt),
-                  min_new_tokens=min_new_tokens,
-                  penalty=None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt),
-                  logprobs=logprobs)
-        row.sampler.penalty = row.penalty
+                  Sampler(params, rng, self.target.dims.vocab_size, penalty), prompt[keep:-1], list(prompt),
+                  min_new_tokens=min_new_tokens, penalty=penalty, logprobs=logprobs)
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)

@@ -199,9 +199,8 @@ class Generator:
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         tree = tree if proposer != "none" else 0
         stats.tree = tree
-        sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size)
-        penalty = PenaltyState(penalties, self.target.dims.vocab_size, prompt)
-        sampler.penalty = None if penalties.off else penalty
+        penalty = None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt)
+        sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size, penalty)
         drafter = self._proposer(proposer, ngram)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         choice = TreeChoice(adaptive)
@@ -241,7 +240,8 @@ class Generator:
                 if proposal.parents is None:  # a chain
                     logits = target.run([context[-1]] + proposal.tokens)  # [k+1, V]
                     raw = logits.copy() if logprobs is not None else None  # row j chose the j-th new token
-                    logits = penalty.apply(logits, [proposal.tokens[:j] for j in range(len(logits))])
+                    if penalty is not None:
+                        logits = penalty.apply(logits, [proposal.tokens[:j] for j in range(len(logits))])
                     if emitted < min_new_tokens:  # row j chooses new token emitted + j
                         logits = hold_back(logits, emitted + np.arange(len(logits)), min_new_tokens, stop)
                     t2 = time.perf_counter()
@@ -273,7 +273,8 @@ class Generator:
                     choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new
                 emitted += len(new)
-                penalty.commit(new)
+                if penalty is not None:
+                    penalty.commit(new)
                 if raw is not None:
                     logprobs_out += token_logprobs(raw[:len(new)], new, logprobs)
                 stats.record_round(len(proposal.tokens), len(new) - 1, depth)
@@ -291,7 +292,7 @@ class Generator:
             stats.finish(reason or ("cancelled" if clean else "error"))
 
     def _verify_tree(self, proposal, pending: int, base: int, params, sampler, drafter, length, stats, hold,
-                     penalty: PenaltyState, keep_raw: bool = False):
+                     penalty: PenaltyState | None, keep_raw: bool = False):
         """One verify step over a token tree (spine plus leaves, runtime/tree.py); commit the accepted path.
         hold = (tokens emitted so far, min_new_tokens, stop ids). Returns (accepted tokens, next token, the
         tree's depth, and with keep_raw the raw rows that chose them, else None)."""
@@ -299,7 +300,8 @@ class Generator:
         layout = TreeLayout.build(pending, tokens, parents)
         logits = self.target.run_tree(layout)  # [N+1, V]
         raw = logits.copy() if keep_raw else None
-        logits = penalty.apply(logits, layout.prefixes())
+        if penalty is not None:
+            logits = penalty.apply(logits, layout.prefixes())
         emitted, min_new_tokens, stop = hold
         if emitted < min_new_tokens:  # row r chooses new token emitted + depth(r)
             logits = hold_back(logits, emitted + layout.depth, min_new_tokens, stop)

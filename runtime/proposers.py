@@ -63,13 +63,14 @@ EMPTY = Proposal([], None)
 class Sampler:
     """The sampling settings and random stream one generation shares between draft and acceptance."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator, vocab_size: int):
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, vocab_size: int,
+                 penalty: PenaltyState | None = None):
         self.params, self.rng, self.vocab_size = params, rng, vocab_size
         # (output position of this round's first draft, min_new_tokens, stop ids) while stop ids are held back
         self.held: tuple[int, int, set[int]] | None = None
         # the generation's penalties (runtime/penalties.py), when on: drafts are penalized as the target's rows
         # are, each with the round's drafts before it, so they are accepted as often as without penalties
-        self.penalty: PenaltyState | None = None
+        self.penalty = penalty
         self._drafted: list[int] = []  # this round's drafts so far
 
     def hold_back(self, emitted: int, min_new_tokens: int, stop) -> None:

@@ -146,9 +146,11 @@ class Engine:
         # a bundle without a tokenizer answers in token ids, "5 6 7 "
         return TextStream(tok.decode, req.stop) if tok else TextStream(lambda ids: "".join(f"{i} " for i in ids), [])
 
-    def _token_text(self, token: int) -> str:
+    def _token_text(self, token: int) -> tuple[str, list[int] | None]:
+        """A token's text and its UTF-8 bytes (None for part of a character: it has no bytes of its own)."""
         tok = self.gen.tokenizer
-        return tok.decode([token]) if tok else str(token)
+        s = tok.decode([token]) if tok else str(token)
+        return s, None if "\ufffd" in s else list(s.encode())
 
     def _logprob_items(self, text: TextStream, entries: list[TokenLogprob]) -> list[dict]:
         """The round's tokens (the last len(entries) of `text`) as protocol.logprobs_body reads them; after a
@@ -157,14 +159,10 @@ class Engine:
         for e, start in zip(entries, text.starts(len(entries))):
             if text.stopped and start >= text.sent:
                 break
-            items.append({"token": self._token_text(e.token), "logprob": e.logprob, "bytes": self._bytes(e.token),
-                          "offset": start,
-                          "top": [(self._token_text(t), lp, self._bytes(t)) for t, lp in e.top]})
+            token, data = self._token_text(e.token)
+            items.append({"token": token, "logprob": e.logprob, "bytes": data, "offset": start,
+                          "top": [(*self._token_text(t), lp) for t, lp in e.top]})  # (text, bytes, logprob)
         return items
-
-    def _bytes(self, token: int) -> list[int] | None:
-        s = self._token_text(token)
-        return None if "\ufffd" in s else list(s.encode())  # part of a character: no bytes of its own
 
     def _emit(self, job: Job, text: TextStream, new: list[int], entries: list[TokenLogprob] | None = None) -> bool:
         """Publish what a round's tokens add to the text (and their logprobs); True when a stop string ended it."""

@@ -202,10 +202,10 @@ def logprobs_body(req: CompletionRequest, items: list[dict] | None) -> dict | No
     items = items or []
     if req.chat:
         return {"content": [{"token": i["token"], "logprob": i["logprob"], "bytes": i["bytes"],
-                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in i["top"]]}
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in i["top"]]}
                             for i in items]}
     return {"tokens": [i["token"] for i in items], "token_logprobs": [i["logprob"] for i in items],
-            "top_logprobs": [{t: lp for t, lp, _ in i["top"]} for i in items],
+            "top_logprobs": [{t: lp for t, _, lp in i["top"]} for i in items],
             "text_offset": [i["offset"] for i in items]}
 
 
