@@ -74,7 +74,7 @@ class Row:
     output: list[int] = field(default_factory=list)
     reason: str = ""  # why it finished ("" while it runs)
     min_new_tokens: int = 0  # the stop ids are held back until the output has this many tokens
-    penalty: PenaltyState | None = None  # repetition / presence / frequency penalties (None: off)
+    penalty: PenaltyState | None = None  # logit bias, repetition / presence / frequency penalties (None: off)
     logprobs: int | None = None  # alternatives per token when the row reports logprobs (None: off)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
@@ -103,12 +103,14 @@ class BatchRunner:
     # -- rows in and out -----------------------------------------------------------------------------
     def check(self, prompts: list[list[int]], max_new_tokens: int, proposer: str, gamma: int,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-              min_p: float = 0.0) -> tuple[SamplingParams, Penalties]:
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_p: float = 0.0,
+              logit_bias: dict[int, float] | None = None) -> tuple[SamplingParams, Penalties]:
         """Refuse what the rows cannot run (GenerationError); returns the sampling parameters and penalties."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
+            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
+                                  {} if logit_bias is None else logit_bias)
+            penalties.check_vocab(self.target.dims.vocab_size)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         check_request(prompts, self.target.dims, max_new_tokens)
@@ -126,11 +128,12 @@ class BatchRunner:
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-              frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None) -> Row:
+              frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None,
+              logit_bias: dict[int, float] | None = None) -> Row:
         """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
         prompt = token_ids(prompt)
         params, penalties = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
-                                       repetition_penalty, presence_penalty, frequency_penalty, min_p)
+                                       repetition_penalty, presence_penalty, frequency_penalty, min_p, logit_bias)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         check_logprobs(logprobs)
@@ -440,7 +443,8 @@ class BatchGenerator:
                        stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                        adaptive: bool = True, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                       min_p: float = 0.0, logprobs: int | None = None) -> list[GenerationResult]:
+                       min_p: float = 0.0, logprobs: int | None = None,
+                       logit_bias: dict[int, float] | None = None) -> list[GenerationResult]:
         """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
         prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
         (continuous batching), so the verify steps stay full while the sequences end at different rounds.
@@ -452,7 +456,7 @@ class BatchGenerator:
         prompts = [token_ids(p, f" {i}") for i, p in enumerate(prompts)]
         runner = self.runner
         more = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                    frequency_penalty=frequency_penalty, min_p=min_p)  # the keywords check and admit share
+                    frequency_penalty=frequency_penalty, min_p=min_p, logit_bias=logit_bias)  # check and admit
         runner.check(prompts, max_new_tokens, proposer, gamma, temperature, top_k, top_p, **more)  # before any row
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)

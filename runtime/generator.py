@@ -159,7 +159,8 @@ class Generator:
                tree: int = 0, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                min_p: float = 0.0, logprobs: int | None = None,
-               logprobs_out: list[TokenLogprob] | None = None) -> Iterator[list[int]]:
+               logprobs_out: list[TokenLogprob] | None = None,
+               logit_bias: dict[int, float] | None = None) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -176,7 +177,8 @@ class Generator:
 
         `repetition_penalty` (HF's: > 1 discourages every token of the prompt and output), `presence_penalty`
         and `frequency_penalty` (OpenAI's, in [-2, 2], over the output) change the target's law; speculation
-        stays exact for the penalized law (runtime/penalties.py). `top_k`, `top_p` and `min_p` filter the
+        stays exact for the penalized law (runtime/penalties.py), as it does with `logit_bias` (OpenAI's: token id
+        -> a number in [-100, 100] added to its logit, before the penalties). `top_k`, `top_p` and `min_p` filter the
         target's and the draft's distributions alike (sampling.probs_from_logits).
 
         `logprobs` N (0..20): append each committed token's TokenLogprob (its log-probability and the N most
@@ -184,7 +186,9 @@ class Generator:
         entries before its tokens are yielded."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty)
+            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
+                                  {} if logit_bias is None else logit_bias)
+            penalties.check_vocab(self.target.dims.vocab_size)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         prompt = token_ids(prompt_ids)
@@ -339,7 +343,8 @@ class Generator:
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
                  min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None) -> GenerationResult:
+                 frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None,
+                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
         stats = Stats()
         tokens: list[int] = []
         entries: list[TokenLogprob] | None = [] if logprobs is not None else None
@@ -347,7 +352,7 @@ class Generator:
                                stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
                                min_new_tokens=min_new_tokens, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                               min_p=min_p, logprobs=logprobs, logprobs_out=entries):
+                               min_p=min_p, logprobs=logprobs, logprobs_out=entries, logit_bias=logit_bias):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text, entries)

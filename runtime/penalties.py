@@ -1,4 +1,5 @@
-"""Repetition, presence and frequency penalties, applied to every verify row with that row's own prefix.
+"""Logit bias and repetition, presence and frequency penalties, applied to every verify row with that row's own
+prefix.
 
 A penalty makes the next token's law depend on the tokens before it. In a verify step row j follows the
 committed text plus drafts 0..j-1 (a tree's row follows its node's ancestors), so row j is penalized as if
@@ -8,7 +9,10 @@ penalized target law (acceptance compares the drafts' q with these rows). A draf
 penalized the same way, each with the round's drafts before it (proposers.Sampler), so a draft close to the
 target stays close under penalties; exactness does not depend on it (any q keeps acceptance exact).
 
-Definitions, applied in this order (vLLM's; HF `generate` has the first):
+Definitions, applied in this order (vLLM's; HF `generate` has the first two, as `sequence_bias` with one-token
+sequences and `repetition_penalty`):
+* logit bias (OpenAI's `logit_bias`: token id -> a number in [-100, 100]): added to that token's logit in every
+  row, whatever the prefix (-100 all but bans a token, 100 all but forces it);
 * repetition (HF's and vLLM's `repetition_penalty`, > 0, 1 = off): every token that occurs in the prompt or
   the output so far has its logit divided by the penalty where positive and multiplied by it where negative;
 * frequency and presence (OpenAI's `frequency_penalty` / `presence_penalty`, in [-2, 2], 0 = off): the logit
@@ -19,11 +23,13 @@ Shapes: R rows, V vocabulary entries.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import _is_real
+from .sampling import _is_real, is_int
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Penalties:
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         r = self.repetition
@@ -39,10 +46,24 @@ class Penalties:
         for name, x in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
             if not _is_real(x) or not math.isfinite(x) or not -2 <= x <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {x!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a mapping from token ids to numbers, got {bias!r}")
+        for token, x in bias.items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if not _is_real(x) or not math.isfinite(x) or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {x!r} for token {token}")
 
     @property
     def off(self) -> bool:
-        return self.repetition == 1 and self.presence == 0 and self.frequency == 0
+        return self.repetition == 1 and self.presence == 0 and self.frequency == 0 and not self.logit_bias
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a logit_bias token the model does not have (ValueError)."""
+        outside = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias token {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})")
 
 
 class PenaltyState:
@@ -54,6 +75,9 @@ class PenaltyState:
         self.seen = np.zeros(vocab_size, bool)  # in the prompt or the output
         self.counts = np.zeros(vocab_size, np.int64)  # in the output
         self.seen[np.asarray(prompt, np.int64)] = True
+        bias = sorted(penalties.logit_bias.items())
+        self.bias_ids = np.array([t for t, _ in bias], np.int64)
+        self.bias = np.array([x for _, x in bias], np.float32)  # a float32 add, as plain decode's row gets
 
     def commit(self, tokens: list[int]) -> None:
         ids = np.asarray(tokens, np.int64)
@@ -64,8 +88,9 @@ class PenaltyState:
         """logits float [R, V]; prefixes[r]: the uncommitted tokens row r follows (drafts or ancestors).
         Penalizes in place when the array allows it; returns the logits.
 
-        Each entry gets one operation with its row's total (a row of a verify step and the plain decode row at
-        the same position compute the same float32 numbers, as exact speculation needs)."""
+        Each entry gets its bias, then one operation per penalty with its row's total (a row of a verify step and
+        the plain decode row at the same position compute the same float32 numbers, as exact speculation
+        needs)."""
         pen = self.penalties
         if pen.off:
             return logits
@@ -78,6 +103,9 @@ class PenaltyState:
         for r, prefix in enumerate(prefixes):
             np.add.at(in_prefix[r], np.searchsorted(drafted, np.asarray(prefix, np.int64)), 1)
         width = logits.shape[-1]  # a draft's head may be narrower than the vocabulary: ids past it are not there
+        if self.bias_ids.size:
+            inside = self.bias_ids < width
+            logits[:rows, self.bias_ids[inside]] += self.bias[inside].astype(logits.dtype)
         if pen.repetition != 1:
             ids = np.union1d(self._seen_ids(), drafted)
             hit = np.broadcast_to(self.seen[ids], (rows, ids.size)).copy()

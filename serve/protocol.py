@@ -57,13 +57,14 @@ class CompletionRequest:
     repetition_penalty: float = 1.0  # vLLM's extension (HF's definition)
     min_p: float = 0.0  # vLLM's extension
     logprobs: int | None = None  # alternatives reported per token (chat: top_logprobs); None: no logprobs
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
     def extra_sampling(self) -> dict:
-        """The runtime's keyword arguments for the penalties and min_p."""
+        """The runtime's keyword arguments for the logit bias, penalties and min_p."""
         return dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, min_p=self.min_p)
+                    frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=self.logit_bias)
 
 
 def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
@@ -78,7 +79,7 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     n = body.get("n", 1)
     if n != 1:
         raise RequestError("n > 1 is not supported: send one request per choice", param="n", code="unsupported")
-    for name in ("tools", "functions", "response_format", "logit_bias", "suffix", "echo"):
+    for name in ("tools", "functions", "response_format", "suffix", "echo"):
         if body.get(name) not in (None, False, {}, []):
             raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
     if body.get("best_of", 1) != 1:
@@ -129,7 +130,26 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
         raise RequestError("repetition_penalty must be a number > 0 (1 = off)", param="repetition_penalty")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
-                             float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0), _logprobs(body, chat))
+                             float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0), _logprobs(body, chat),
+                             _logit_bias(body.get("logit_bias")))
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object from token ids (as strings, JSON's keys) to numbers in [-100, 100]. Ids past
+    the vocabulary are refused by the runtime (a 400 too)."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object from token ids to numbers", param="logit_bias")
+    out = {}
+    for token, x in bias.items():
+        if not (isinstance(token, str) and token.isascii() and token.isdigit()):
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not -100 <= x <= 100:
+            raise RequestError(f"logit_bias values must be numbers between -100 and 100, got {x!r} for token {token}",
+                               param="logit_bias")
+        out[int(token)] = float(x)
+    return out
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -162,10 +162,13 @@ def _add_sampling(p) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
                    help="lower the logits of tokens the output holds by X per occurrence, in [-2, 2] (OpenAI's; "
                    "default 0)")
+    p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID=B,...",
+                   help="add B, in [-100, 100], to token ID's logit (OpenAI's logit_bias: -100 all but bans a token); "
+                   "comma-separated pairs, e.g. 2=-100,504=5. Speculation stays exact")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json or --prompts: each token's log-probability and the N (0..20) most likely "
-                   "alternatives', from the model's raw distribution (before temperature, filters and penalties)")
+                   "alternatives', from the model's raw distribution (before temperature, filters, bias and penalties)")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn (Qualcomm HTP, "
                    "or its x86 emulator: pip install onnxruntime-qnn)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
@@ -236,10 +239,22 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
     return prompts
 
 
+def _logit_bias(text: str) -> dict[int, float]:
+    """ID=B[,ID=B...] -> {ID: B}; the runtime checks the ranges."""
+    bias: dict[int, float] = {}
+    for pair in text.split(","):
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)  # a pair without "=" has an empty value, which float() refuses
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected ID=BIAS pairs separated by commas, got {pair!r}") from None
+    return bias
+
+
 def _extra_sampling(a) -> dict:
-    """The penalties and min_p, keywords of generate and generate_batch alike."""
+    """The logit bias, penalties and min_p, keywords of generate and generate_batch alike."""
     return dict(repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                frequency_penalty=a.frequency_penalty, min_p=a.min_p)
+                frequency_penalty=a.frequency_penalty, min_p=a.min_p, logit_bias=a.logit_bias)
 
 
 def _run_generate_batch(a) -> int:

@@ -1,5 +1,7 @@
 """Batches (runtime/batch.py): every row of a --batch B bundle gives exactly its batch-1 output, rows stop
 independently, idle rows change nothing, and bad batches are refused with one clear error."""
+import collections
+
 import pytest
 from conftest import CHUNK
 from test_generate import prompt_of
@@ -424,19 +426,25 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
 
 
 def test_rows_with_penalties_equal_their_batch_1_output(gens):
-    """Each row keeps its own penalty state (its prompt and output): greedy and sampled rows equal batch 1."""
+    """Each row keeps its own penalty state (its prompt and output): greedy and sampled rows equal batch 1. A
+    logit bias bans the token plain decode writes most."""
     g1, g3 = gens
-    penalties = dict(repetition_penalty=0.95, presence_penalty=-0.4, frequency_penalty=0.1)  # drafts get accepted
+    plain = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS]
+    banned = collections.Counter(sum(plain, [])).most_common(1)[0][0]
+    penalties = dict(repetition_penalty=0.95, presence_penalty=-0.4, frequency_penalty=0.1,  # drafts get accepted
+                     logit_bias={banned: -100.0})
     proposed = accepted = changed = 0
     for kwargs in (dict(adaptive=False), dict(temperature=1.0, min_p=0.3, seed=3)):
         results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[], **kwargs, **penalties)
         for b, (prompt, res) in enumerate(zip(PROMPTS, results)):
             one = dict(kwargs, seed=kwargs["seed"] + b) if "seed" in kwargs else kwargs
             want = g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], **one, **penalties).tokens
-            assert res.tokens == want, (b, kwargs)
+            assert res.tokens == want and banned not in want, (b, kwargs)
             changed += want != g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], **one).tokens
             proposed += res.stats.proposed
             accepted += res.stats.accepted
     assert 0 < accepted < proposed and changed >= 4
     with pytest.raises(GenerationError, match="repetition_penalty"):
         g3.generate_batch(PROMPTS, NEW, repetition_penalty=-1.0)
+    with pytest.raises(GenerationError, match="logit_bias token 1000000 is outside the vocabulary"):
+        g3.generate_batch(PROMPTS, NEW, logit_bias={10**6: 1.0})

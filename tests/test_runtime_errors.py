@@ -38,6 +38,9 @@ def assert_clean_error(r, expected):
     (["--prompt-ids", "5,6", "--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
     (["--prompt-ids", "5,6", "--presence-penalty", "-3"], "presence_penalty must be a number in [-2, 2]"),
     (["--prompt-ids", "5,6", "--temperature", "1", "--min-p", "-0.5"], "min_p must be a finite number in [0, 1]"),
+    (["--prompt-ids", "5,6", "--logit-bias", "5=300"], "logit_bias values must be numbers in [-100, 100]"),
+    (["--prompt-ids", "5,6", "--logit-bias", "99999=1"], "logit_bias token 99999 is outside the vocabulary"),
+    (["--prompt-ids", "5,6", "--logit-bias", "5:1"], ""),  # argparse: not ID=BIAS (exit 2)
     (["--prompt-ids", "5,6", "--logprobs", "2"], "--logprobs needs --json"),
     (["--prompt-ids", "5,6", "--json", "--logprobs", "21"], "logprobs must be an int in 0..20"),
     (["--prompt-ids", "5,6", "--threads", "0"], "threads must be at least 1, not 0"),

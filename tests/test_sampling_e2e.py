@@ -82,10 +82,15 @@ def hf_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def penalize(logits: np.ndarray, contexts: list[list[int]], prompt_len: int, penalties: dict) -> np.ndarray:
-    """Rows [N, V] after the penalties for their contexts (prompt + output so far): transformers' own repetition
-    penalty processor, then OpenAI's presence/frequency definitions over the output, written out here."""
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    """Rows [N, V] after the logit bias and penalties for their contexts (prompt + output so far): transformers'
+    own sequence bias (one-token sequences) and repetition penalty processors, then OpenAI's presence/frequency
+    definitions over the output, written out here."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
+    bias = penalties.get("logit_bias")
+    if bias:
+        processor = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+        logits = processor(torch.tensor(contexts), torch.tensor(logits)).numpy()
     rep = penalties.get("repetition_penalty", 1.0)
     if rep != 1.0:
         logits = RepetitionPenaltyLogitsProcessor(rep)(torch.tensor(contexts), torch.tensor(logits)).numpy()
@@ -180,18 +185,24 @@ def test_sampling_with_min_p_matches_plain_sampling(pair, proposer, gamma, tree)
 
 
 PENALTIES = dict(repetition_penalty=1.5, presence_penalty=0.6, frequency_penalty=0.4)
+BIAS = dict(logit_bias={3: 1.0, 7: -2.0, 11: -100.0})
 
 
-@pytest.mark.parametrize("proposer, gamma, tree", [("none", 0, 0), ("draft", 2, 0), ("ngram", 4, 0), ("draft", 2, 8)])
-def test_sampling_with_penalties_matches_the_penalized_law(pair, proposer, gamma, tree):
+@pytest.mark.parametrize("proposer, gamma, tree, bias", [("none", 0, 0, False), ("draft", 2, 0, False),
+                                                         ("ngram", 4, 0, False), ("draft", 2, 8, False),
+                                                         ("draft", 2, 0, True), ("draft", 2, 8, True)])
+def test_sampling_with_penalties_matches_the_penalized_law(pair, proposer, gamma, tree, bias):
     """Repetition, presence and frequency penalties (runtime/penalties.py): the third token's law depends on the
-    first two, so each verify row must be penalized with the drafts before it."""
+    first two, so each verify row must be penalized with the drafts before it. A logit bias comes first."""
     gen, model, prompt = pair
     params = SETTINGS[0]
-    law = exact_law(model, prompt, params, PENALTIES)
+    penalties = PENALTIES | BIAS if bias else PENALTIES
+    law = exact_law(model, prompt, params, penalties)
     assert np.abs(law - exact_law(model, prompt, params)).sum() > 0.2  # the penalties move the law
+    if bias:
+        assert np.abs(law - exact_law(model, prompt, params, PENALTIES)).sum() > 0.2  # and so does the bias
     counts = sample_counts(gen, prompt, proposer, gamma, params, seed=13 + gamma + tree, n=2000, tree=tree,
-                           **PENALTIES)
+                           **penalties)
     assert goodness_of_fit(counts, law) > P_MIN
 
 

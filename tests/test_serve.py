@@ -270,6 +270,14 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "repetition_penalty": 0}, 400,
      "repetition_penalty"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_p": 1.5}, 400, "min_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logit_bias": {"x5": 1}}, 400,
+     "logit_bias keys must be token ids"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logit_bias": {"5": 101}}, 400,
+     "logit_bias values must be numbers between -100 and 100"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logit_bias": [5]}, 400,
+     "logit_bias must be an object"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "logit_bias": {"100000": 1}}, 400,
+     "logit_bias token 100000 is outside the vocabulary"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, fragment):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -296,16 +304,22 @@ def test_min_tokens_holds_eos_back_as_the_runtime_does(server, batch_server, ora
 
 
 def test_penalties_reach_the_runtime(server, batch_server, oracle):
-    """OpenAI's presence/frequency penalties and vLLM's repetition_penalty give what the runtime's plain decode
-    with them gives, through both engines and with prompt lookup."""
-    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.05)
+    """OpenAI's presence/frequency penalties and logit_bias, and vLLM's repetition_penalty, give what the runtime's
+    plain decode with them gives, through both engines and with prompt lookup."""
     prompt = words(3, 16)
     ids = oracle.tokenizer.encode(prompt)
+    free = oracle.generate(ids, 24, proposer="none", min_new_tokens=24).tokens
+    bias = {free[0]: -100.0, free[-1]: 2.0}
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.05, logit_bias=bias)
     want = oracle.tokenizer.decode(oracle.generate(ids, 24, proposer="none", min_new_tokens=24, **penalties).tokens)
-    assert want != expected(oracle, ids, 24)
+    without_bias = dict(penalties, logit_bias=None)
+    assert want != oracle.tokenizer.decode(oracle.generate(ids, 24, proposer="none", min_new_tokens=24,
+                                                           **without_bias).tokens)
+    assert want != oracle.tokenizer.decode(free)
     for s in (server, batch_server):
         r = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                           presence_penalty=0.8, frequency_penalty=0.5,
+                                          logit_bias={str(t): b for t, b in bias.items()},
                                           extra_body={"repetition_penalty": 1.05, "min_tokens": 24,
                                                       "proposer": "ngram"})
         assert r.choices[0].text == want
