@@ -5,6 +5,7 @@ they are installed (pip install 'specedge[text]').
 """
 from __future__ import annotations
 
+import json
 import os
 
 from ..errors import GenerationError
@@ -18,6 +19,7 @@ class Tokenizer:
         self._tok = HFTokenizer.from_file(path)
         self.bos_id = bos_id
         self.chat_template = chat_template
+        self._byte_level = _has_decoder(json.loads(self._tok.to_str()).get("decoder"), "ByteLevel")
 
     @classmethod
     def from_bundle(cls, bundle_dir: str, manifest: Manifest) -> "Tokenizer | None":
@@ -35,6 +37,24 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """One token's own bytes, as OpenAI's logprobs report them: a token that holds part of a UTF-8 character
+        has bytes but no text of its own. Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) spells each byte as
+        one character of its alphabet; SentencePiece's byte fallback spells a byte <0xNN>. Otherwise the
+        token's text, or None where that text is not whole. A special token (no text) has no bytes."""
+        text = self.decode([token])
+        piece = self._tok.id_to_token(token)
+        if not text or piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return None if "\ufffd" in text else text.encode()
 
     def apply_chat_template(self, messages: str | list[dict]) -> list[int]:
         """The chat template rendered for the messages (a string is one user turn) plus the assistant's
@@ -59,6 +79,26 @@ class Tokenizer:
                                                           bos_token="", eos_token="")
         # The template writes its own special tokens; add no BOS beyond what it wrote.
         return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _has_decoder(decoder: dict | None, kind: str) -> bool:
+    """Whether a tokenizer.json decoder (or one of a Sequence's) is of this type."""
+    if not decoder:
+        return False
+    return decoder.get("type") == kind or any(_has_decoder(d, kind) for d in decoder.get("decoders") or [])
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable Latin-1 bytes stand for themselves, the other 68 bytes for
+    the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in kept}
+    shifted = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + i)) for i, b in enumerate(shifted))
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 class StreamDecoder:

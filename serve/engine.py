@@ -147,10 +147,13 @@ class Engine:
         return TextStream(tok.decode, req.stop) if tok else TextStream(lambda ids: "".join(f"{i} " for i in ids), [])
 
     def _token_text(self, token: int) -> tuple[str, list[int] | None]:
-        """A token's text and its UTF-8 bytes (None for part of a character: it has no bytes of its own)."""
+        """A token's text and its bytes (a token holding part of a UTF-8 character has bytes but no text of its
+        own: "\ufffd"; None only where the tokenizer cannot tell, runtime/tokenizer.py)."""
         tok = self.gen.tokenizer
-        s = tok.decode([token]) if tok else str(token)
-        return s, None if "\ufffd" in s else list(s.encode())
+        if tok is None:
+            return str(token), list(str(token).encode())
+        data = tok.token_bytes(token)
+        return tok.decode([token]), None if data is None else list(data)
 
     def _logprob_items(self, text: TextStream, entries: list[TokenLogprob]) -> list[dict]:
         """The round's tokens (the last len(entries) of `text`) as protocol.logprobs_body reads them; after a
