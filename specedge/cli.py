@@ -347,7 +347,8 @@ def _add_bench(sub) -> None:
                        "({id, kind, messages} per line, chat-templated with the bundle's tokenizer), in one "
                        "process, interleaved, repeats with medians; print a table (tokens/s, TTFT, ITL, tokens "
                        "per round, acceptance, speed-up over plain decode, identical output) and a round "
-                       "breakdown. --compare runs peer systems on the same prompt ids and threads.")
+                       "breakdown. --compare runs peer systems on the same prompt ids and threads. --temperature "
+                       "samples instead (greedy by default).")
     p.add_argument("bundle")
     p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
                    help="prompt suite (the repo's: tools/prompts/suite.jsonl)")
@@ -363,6 +364,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--fixed-gamma", action="store_true", help="always propose gamma drafts (no adaptation)")
     p.add_argument("--trees", type=_ints, default=[], metavar="T1,T2",
                    help="also run each proposer and gamma < T as token trees in the bundle's tree graph T")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples in every configuration (outputs not compared)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature: repeat r of prompt i samples with seed + 1000 r + i (default 0)")
     p.add_argument("--compare", type=_names, default=None, metavar="PEERS",
                    help="also run peers: transformers, ort-genai, ort-genai-int4 (each needs its package installed)")
     p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
@@ -385,7 +392,7 @@ def _run_bench(a) -> int:
     result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
                        max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
                        limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma,
-                       trees=a.trees)
+                       trees=a.trees, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     print(render_table(result["rows"]))
     print()
     print(render_round_breakdown(result["rows"]))
@@ -394,8 +401,10 @@ def _run_bench(a) -> int:
             f"{mem['cache_mb']} MB); at the end {mem['private_mb']} MB private ({mem['private_ratio']}x) + "
             f"{mem['file_backed_mb']} MB file-backed" if "peak_rss_mb" in mem
             else "peak RSS not measured (peers share the process)")
-    print(f"\n{result['machine']}; threads {a.threads}; {a.max_new_tokens} new tokens; median of {a.repeats}; "
-          f"{result['seconds']} s; {peak}")
+    sampling = (f"; sampled: temperature {a.temperature:g}, top-k {a.top_k}, top-p {a.top_p:g}, seed {a.seed}"
+                if result["sampling"] else "")
+    print(f"\n{result['machine']}; threads {a.threads}; {a.max_new_tokens} new tokens; median of {a.repeats}"
+          f"{sampling}; {result['seconds']} s; {peak}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -35,6 +35,33 @@ def test_bench_table_json_and_plot(tiny_bundle, prompts, tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_sampled_bench_samples_every_configuration_with_its_seed(tiny_bundle, prompts, tmp_path, gen):
+    """--temperature: each run is the sample its seed (seed + 1000 r + i) gives, speculation ran, and the
+    outputs are not counted as identical or not."""
+    out = tmp_path / "b.json"
+    r = bench(tiny_bundle, "--prompts", prompts, "--proposers", "ngram,draft", "--gamma", "4", "--repeats", "2",
+              "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "40", "--seed", "7", "--fixed-gamma",
+              "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| grounded | ngram g=4 |" in r.stdout and "| sampled |" in r.stdout and "temperature 0.8" in r.stdout
+    result = json.load(open(out))
+    assert result["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 1.0, "seed": 7}
+    assert all(row["identical"] is None for row in result["rows"])
+    ids = [gen.tokenizer.apply_chat_template(json.loads(line)["messages"]) for line in open(prompts)]
+    by_seed = {}
+    for run in result["runs"]:
+        i = ["copy", "free"].index(run["prompt"])
+        seeds = [7 + 1000 * rep + i for rep in range(2)]
+        proposer = run["config"].split()[0]
+        samples = [gen.generate(ids[i], 12, proposer=proposer, gamma=4, temperature=0.8, top_k=40, seed=s, adaptive=False,
+                                min_new_tokens=12).tokens for s in seeds]
+        assert run["tokens"] in samples, run["config"]
+        by_seed.setdefault((run["config"], i), set()).add(tuple(run["tokens"]))
+    assert all(len(outs) == 2 for outs in by_seed.values())  # each repeat draws its own sample
+    rows = {(row["config"], row["kind"]): row for row in result["rows"]}
+    assert 0 < rows[("draft g=4", "all")]["acceptance"] < 1  # (prompt lookup finds nothing in these samples)
+
+
 @pytest.mark.parametrize("content, expected", [
     (None, "prompts file not found"),
     ("this is not json\n", "not JSON"),
@@ -55,6 +82,9 @@ def test_bad_prompt_files(tiny_bundle, tmp_path, content, expected):
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--json", "/nonexistent/r.json"], "--json /nonexistent/r.json: cannot write into /nonexistent"),
     (["--plot", "/nonexistent/p.png"], "--plot /nonexistent/p.png: cannot write into /nonexistent"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "top_p"),
+    (["--temperature", "0.7", "--compare", "ort-genai"], "--compare runs the peers greedily"),
 ])
 def test_bad_options(tiny_bundle, prompts, args, expected):
     r = bench(tiny_bundle, "--prompts", prompts, *args)

@@ -6,6 +6,11 @@ Configurations are plain decode (`none`), each proposer at each gamma, and optio
 (prompt, configuration) keeps the median of its repeats. Greedy outputs are compared with plain decode's
 token for token.
 
+With `--temperature T` (and top-k/top-p) every configuration samples; repeat r of prompt i gets the seed
+seed + 1000 r + i in every configuration. Speculative sampling follows the target's law but draws other
+tokens than plain decode with the same seed, so the outputs are not compared, and a configuration's speed is
+measured on its own samples: use several prompts and repeats. Peers run greedy only.
+
 Every run, ours and the peers', produces exactly `max_new_tokens` tokens with EOS held back until then
 (`min_new_tokens`), so all of them decode the same amount and the same kind of text: a model that may not
 end its answer keeps writing in the same conversation. (Before, our runs ignored EOS instead: the model
@@ -104,8 +109,9 @@ def _median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.total_ms)[len(runs) // 2]
 
 
-def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
-    """One row per (configuration, prompt kind): throughput over the kind's prompts and medians."""
+def summarize(runs: list[Run], configs: list[Config], sampled: bool = False) -> list[dict]:
+    """One row per (configuration, prompt kind): throughput over the kind's prompts and medians. Sampled runs
+    have no `identical` count (None): their outputs are draws, not plain decode's tokens."""
     by_key: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
         by_key.setdefault((r.config, r.prompt), []).append(r)
@@ -147,7 +153,7 @@ def summarize(runs: list[Run], configs: list[Config]) -> list[dict]:
                 "draft_ms_per_round": sum(m.draft_ms for m in ms) / rounds if rounds else None,
                 "verify_ms_per_round": sum(m.verify_ms for m in ms) / rounds if rounds else None,
                 "commit_ms_per_round": sum(m.commit_ms for m in ms) / rounds if rounds else None,
-                "identical": sum(m.tokens == reference.get(m.prompt) for m in ms),
+                "identical": None if sampled else sum(m.tokens == reference.get(m.prompt) for m in ms),
             })
     return rows
 
@@ -163,8 +169,12 @@ def render_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['kind']} | {r['config']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '.2f')}x "
                      f"| {_fmt(r['ttft_ms'], '.0f')} | {_fmt(r['itl_ms'], '.1f')} | {_fmt(r['tokens_per_round'], '.2f')} "
-                     f"| {_fmt(r['acceptance'], '.0%')} | {_fmt(r['host_share'], '.1%')} | {r['identical']}/{r['prompts']} |")
+                     f"| {_fmt(r['acceptance'], '.0%')} | {_fmt(r['host_share'], '.1%')} | {_identical(r)} |")
     return "\n".join(lines)
+
+
+def _identical(row: dict) -> str:
+    return "sampled" if row["identical"] is None else f"{row['identical']}/{row['prompts']}"
 
 
 def render_round_breakdown(rows: list[dict]) -> str:
@@ -217,10 +227,19 @@ def write_plot(rows: list[dict], path: str, title: str) -> None:
 def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list[int], repeats: int = 3,
               max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
               kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
-              peer_model: str | None = None, adaptive: bool = True, trees: list[int] = ()) -> dict:
+              peer_model: str | None = None, adaptive: bool = True, trees: list[int] = (),
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> dict:
     from ..runtime.generator import Generator
+    from ..runtime.sampling import SamplingParams
     from ..runtime.stats import Stats
 
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    sampled = not params.greedy
+    if sampled and compare:
+        raise BenchError("--compare runs the peers greedily: drop --temperature to compare with them")
     if repeats < 1:
         raise BenchError("--repeats must be at least 1")
     if any(g < 1 for g in gammas):  # (gamma 0 ran as gamma 4 under the name g=0)
@@ -244,7 +263,7 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     ids = {p["id"]: (gen.tokenizer.apply_chat_template(p["messages"]) if "messages" in p
                      else gen.tokenizer.encode(p["prompt"])) for p in prompts}
 
-    def run_once(c: Config, prompt: dict, n: int) -> Run:
+    def run_once(c: Config, prompt: dict, n: int, seed: int = seed) -> Run:
         pid = ids[prompt["id"]]
         if c.peer:
             out = peers[c.peer].generate(pid, n, c.peer_config)
@@ -252,7 +271,8 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
                        None if out.ttft_s is None else out.ttft_s * 1e3)
         s = Stats()
         tokens = [t for new in gen.stream(pid, n, proposer=c.proposer, gamma=c.gamma or 4, min_new_tokens=n, stats=s,
-                                          adaptive=adaptive, tree=c.tree) for t in new]
+                                          adaptive=adaptive, tree=c.tree, temperature=params.temperature,
+                                          top_k=params.top_k, top_p=params.top_p, seed=seed) for t in new]
         return Run(c.name, prompt["id"], prompt["kind"], len(pid), tokens, s.total_ms, s.ttft_ms, s.itl_ms,
                    s.rounds, s.proposed, s.accepted, s.proposed_by_position, s.accepted_by_position, s.host_share,
                    s.draft_ms, s.verify_ms, s.commit_ms, s.tree_nodes, s.off_chain_accepted)
@@ -264,17 +284,19 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     runs = []
     started = time.time()
     try:
-        for _ in range(repeats):
-            for prompt in prompts:
+        for r in range(repeats):
+            for i, prompt in enumerate(prompts):
                 for c in configs:
-                    runs.append(run_once(c, prompt, max_new_tokens))
+                    runs.append(run_once(c, prompt, max_new_tokens, seed + 1000 * r + i))
                     bar.update(f"{prompt['id']} {c.name}")
     finally:
         bar.close()
-    rows = summarize(runs, configs)
+    rows = summarize(runs, configs, sampled)
     memory = memory_report(gen, rss_reset and not peers)
     return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats, "memory": memory,
             "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
+            "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                         "seed": seed} if sampled else None,
             "configs": [c.name for c in configs], "machine": _machine(), "seconds": round(time.time() - started),
             "rows": rows, "runs": [r.__dict__ for r in runs]}
 
