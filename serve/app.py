@@ -7,7 +7,8 @@
   GET  /metrics               Prometheus text format (serve/metrics.py)
 
 Streaming uses server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; with
-`stream_options.include_usage` a last chunk carries the usage. A client that disconnects cancels its job.
+`stream_options.include_usage` a last chunk carries the usage. A request with n choices is n jobs; their
+chunks are sent as they come, each with its choice's index. A client that disconnects cancels its jobs.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from ..runtime.generator import check_speculation
 from .engine import BatchEngine, Engine, EngineConfig, Event, Job, QueueFull, SerialEngine
-from .protocol import (RequestError, chunk_body, completion_body, error_body, parse_request, usage,
+from .protocol import (Choice, RequestError, chunk_body, completion_body, error_body, parse_request, usage,
                        usage_chunk)
 
 
@@ -109,37 +110,43 @@ def create_app(config: ServerConfig, engine: Engine | None = None):
             return error(400, "the request body is not valid JSON")
         try:
             req = parse_request(body, chat, model)
-            job = eng.submit(req, asyncio.get_running_loop())
+            jobs = eng.submit(req, asyncio.get_running_loop())
         except RequestError as e:
             eng.metrics.count_request("invalid")
             return JSONResponse(e.body(), status_code=e.status)
         except QueueFull as e:
             return error(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         if req.stream:
-            return StreamingResponse(_sse(job, model), media_type="text/event-stream",
+            return StreamingResponse(_sse(jobs, model), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _collect(job, model, request)
+        return await _collect(jobs, model, request)
 
-    async def _collect(job: Job, model: str, request: Request):
-        parts, logprobs = [], []
+    async def _collect(jobs: list[Job], model: str, request: Request):
+        choices, done = [], []
         try:
-            while True:
-                try:
-                    ev: Event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; the job is cancelled below
-                    continue
-                if ev.kind == "text":
-                    parts.append(ev.text)
-                    logprobs += ev.logprobs or []
-                elif ev.kind == "error":
-                    return error(ev.status, ev.text, "server_error" if ev.status >= 500 else "invalid_request_error")
-                else:
-                    return completion_body(job.request, model, "".join(parts), ev.finish, _usage(job, ev),
-                                           _extra(ev), logprobs)
+            for job in jobs:  # they run side by side (batch rows) or one after another; their events wait
+                parts, logprobs = [], []
+                while True:
+                    try:
+                        ev: Event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return Response(status_code=499)  # nobody reads it; the jobs are cancelled below
+                        continue
+                    if ev.kind == "text":
+                        parts.append(ev.text)
+                        logprobs += ev.logprobs or []
+                    elif ev.kind == "error":
+                        kind = "server_error" if ev.status >= 500 else "invalid_request_error"
+                        return error(ev.status, ev.text, kind)
+                    else:
+                        choices.append(Choice("".join(parts), ev.finish, logprobs))
+                        done.append(ev)
+                        break
+            return completion_body(jobs[0].request, model, choices, _usage(jobs[0], done), _extra(done))
         finally:
-            job.cancel()  # a no-op when it finished
+            for job in jobs:
+                job.cancel()  # a no-op for those that finished
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -157,40 +164,57 @@ def error(status: int, message: str, kind: str = "invalid_request_error", **kw) 
                         headers=kw.get("headers"))
 
 
-def _usage(job: Job, ev: Event) -> dict:
-    return usage(len(job.prompt_ids), ev.stats.new_tokens, ev.stats.reused_tokens)
+def _usage(job: Job, done: list[Event]) -> dict:
+    """The prompt once, the completion tokens of every choice; cached tokens as the first choice found them."""
+    return usage(len(job.prompt_ids), sum(ev.stats.new_tokens for ev in done), done[0].stats.reused_tokens)
 
 
-def _extra(ev: Event) -> dict:
-    s = ev.stats
-    return {"proposer": s.proposer, "gamma": s.gamma, "rounds": s.rounds, "proposed": s.proposed,
-            "accepted": s.accepted, "reused_prompt_tokens": s.reused_tokens, "ttft_ms": round(s.ttft_ms, 3),
+def _extra(done: list[Event]) -> dict:
+    """specedge's own numbers: rounds and drafts summed over the choices, times from the first."""
+    s = done[0].stats
+    return {"proposer": s.proposer, "gamma": s.gamma, "rounds": sum(ev.stats.rounds for ev in done),
+            "proposed": sum(ev.stats.proposed for ev in done), "accepted": sum(ev.stats.accepted for ev in done),
+            "reused_prompt_tokens": s.reused_tokens, "ttft_ms": round(s.ttft_ms, 3),
             "tokens_per_s": round(s.tokens_per_s, 3)}
 
 
-async def _sse(job: Job, model: str):
+async def _sse(jobs: list[Job], model: str):
     def data(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    req = job.request
+    req = jobs[0].request
+    merged: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every job, in arrival order
+
+    async def forward(index: int, job: Job) -> None:
+        while True:
+            ev = await job.events.get()
+            merged.put_nowait((index, ev))
+            if ev.kind != "text":
+                return
+
+    tasks = [asyncio.create_task(forward(k, job)) for k, job in enumerate(jobs)]
+    done: dict[int, Event] = {}
     try:
         if req.chat:
-            yield data(chunk_body(req, model, "", None, first=True))
-        while True:
-            ev: Event = await job.events.get()
+            for k in range(len(jobs)):
+                yield data(chunk_body(req, model, "", None, first=True, index=k))
+        while len(done) < len(jobs):
+            k, ev = await merged.get()
             if ev.kind == "text":
-                yield data(chunk_body(req, model, ev.text, None, logprobs=ev.logprobs))
+                yield data(chunk_body(req, model, ev.text, None, logprobs=ev.logprobs, index=k))
             elif ev.kind == "error":  # the status line is gone: OpenAI-style error event, then the end
                 yield data(error_body(ev.text, "server_error" if ev.status >= 500 else "invalid_request_error"))
                 return
             else:
-                yield data(chunk_body(req, model, None, ev.finish))
-                if req.include_usage:
-                    yield data(usage_chunk(req, model, _usage(job, ev)))
-                yield "data: [DONE]\n\n"
-                return
+                done[k] = ev
+                yield data(chunk_body(req, model, None, ev.finish, index=k))
+        if req.include_usage:
+            yield data(usage_chunk(req, model, _usage(jobs[0], [done[k] for k in range(len(jobs))])))
+        yield "data: [DONE]\n\n"
     finally:  # also when the client disconnects: Starlette cancels this generator
-        job.cancel()
+        for job, task in zip(jobs, tasks):
+            job.cancel()
+            task.cancel()
 
 
 def serve_forever(config: ServerConfig, host: str, port: int) -> int:

@@ -10,9 +10,9 @@ Two workers, chosen by the bundle:
   up to B requests sharing each verify step.
 Either way greedy outputs are the outputs of the same requests run one by one.
 
-The HTTP side (app.py) submits a Job and reads its events from an asyncio queue; the worker publishes
-events with call_soon_threadsafe. A job cancelled by its client (a disconnect) stops at the next round, and
-one that is still queued never starts: its slot is free at once.
+The HTTP side (app.py) submits one Job per choice (a request's `n`) and reads their events from asyncio
+queues; the worker publishes events with call_soon_threadsafe. A job cancelled by its client (a disconnect)
+stops at the next round, and one that is still queued never starts: its slot is free at once.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import SpecedgeError
 from ..runtime.generator import Generator, check_speculation
@@ -107,18 +107,24 @@ class Engine:
                                param="prompt")
         return ids
 
-    def submit(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def submit(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop) -> list[Job]:
+        """One job per choice (req.n), queued together or not at all; choice k samples with seed + k."""
         ids = self.tokenize(req)
         room = self.gen.target.dims.context - len(ids)
-        job = Job(req, ids, min(req.max_tokens or self.config.max_tokens, room), loop)
         self._check_speculation(req)
+        if req.n > self.config.max_queue:
+            raise RequestError(f"n = {req.n} is more than this server queues ({self.config.max_queue}, --max-queue)",
+                               param="n")
+        jobs = [Job(replace(req, seed=None if req.seed is None else req.seed + k), ids,
+                    min(req.max_tokens or self.config.max_tokens, room), loop) for k in range(req.n)]
         with self._lock:
-            if self._pending >= self.config.max_queue:
+            if self._pending + req.n > self.config.max_queue:
                 self.metrics.count_request("rejected")
                 raise QueueFull(f"the server is busy ({self._pending} requests queued or running); retry later")
-            self._pending += 1
-        self._queue.put(job)
-        return job
+            self._pending += req.n
+        for job in jobs:
+            self._queue.put(job)
+        return jobs
 
     def _check_speculation(self, req: CompletionRequest) -> None:
         try:

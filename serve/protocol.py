@@ -18,6 +18,7 @@ from ..runtime.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
 from ..runtime.sampling import is_int
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 16  # n: each choice is a sequence of its own (a batch row, or a run after the others)
 
 
 class RequestError(Exception):
@@ -58,6 +59,7 @@ class CompletionRequest:
     min_p: float = 0.0  # vLLM's extension
     logprobs: int | None = None  # alternatives reported per token (chat: top_logprobs); None: no logprobs
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    n: int = 1  # choices; choice k samples with seed + k when a seed is given
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -77,8 +79,10 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
         raise RequestError(f"the model {model!r} does not exist; this server serves {model_id!r}", status=404,
                            param="model", code="model_not_found")
     n = body.get("n", 1)
-    if n != 1:
-        raise RequestError("n > 1 is not supported: send one request per choice", param="n", code="unsupported")
+    if n is None:
+        n = 1
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n must be an integer in 1..{MAX_CHOICES}", param="n")
     for name in ("tools", "functions", "response_format", "suffix", "echo"):
         if body.get(name) not in (None, False, {}, []):
             raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
@@ -131,7 +135,7 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
                              float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0), _logprobs(body, chat),
-                             _logit_bias(body.get("logit_bias")))
+                             _logit_bias(body.get("logit_bias")), int(n))
 
 
 def _logit_bias(bias) -> dict[int, float] | None:
@@ -229,28 +233,32 @@ def logprobs_body(req: CompletionRequest, items: list[dict] | None) -> dict | No
             "text_offset": [i["offset"] for i in items]}
 
 
-def completion_body(req: CompletionRequest, model: str, text: str, finish: str, use: dict, extra: dict,
-                    logprobs: list[dict] | None = None) -> dict:
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs_body(req, logprobs)}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs_body(req, logprobs)}
-        kind, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice],
+@dataclass
+class Choice:
+    text: str
+    finish: str
+    logprobs: list[dict] | None = None  # engine.Engine._logprob_items of its tokens
+
+
+def completion_body(req: CompletionRequest, model: str, choices: list[Choice], use: dict, extra: dict) -> dict:
+    kind, prefix = ("chat.completion", "chatcmpl-") if req.chat else ("text_completion", "cmpl-")
+    out = []
+    for index, c in enumerate(choices):
+        body = {"message": {"role": "assistant", "content": c.text}} if req.chat else {"text": c.text}
+        out.append({"index": index, **body, "finish_reason": c.finish, "logprobs": logprobs_body(req, c.logprobs)})
+    return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": out,
             "usage": use, "specedge": extra}
 
 
 def chunk_body(req: CompletionRequest, model: str, text: str | None, finish: str | None, first: bool = False,
-               logprobs: list[dict] | None = None) -> dict:
+               logprobs: list[dict] | None = None, index: int = 0) -> dict:
     lp = logprobs_body(req, logprobs) if logprobs else None
     if req.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
         kind, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}
         kind, prefix = "text_completion", "cmpl-"
     return {"id": prefix + req.id, "object": kind, "created": req.created, "model": model, "choices": [choice]}
 

@@ -137,6 +137,42 @@ def test_streaming_chat_sends_the_same_text_in_chunks_then_usage(server, oracle)
         expected(oracle, oracle.tokenizer.encode(words(4, 20)), 16)
 
 
+def test_n_choices_are_the_samples_of_their_seeds(server, batch_server, oracle):
+    """n choices: choice k is the run with seed + k (batch rows side by side, or one after another), plain and
+    streamed, chat and completions; usage counts the prompt once and every choice's tokens."""
+    messages = [{"role": "user", "content": words(8, 20)}]
+    ids = chat_ids(oracle, messages)
+    sampling = dict(temperature=1.0, top_p=0.9)
+    want = [oracle.tokenizer.decode(oracle.generate(ids, 16, proposer="ngram", gamma=4, seed=40 + k,
+                                                    **sampling).tokens) for k in range(3)]
+    assert len(set(want)) == 3
+    prompt = words(9, 20)
+    want_c = [oracle.tokenizer.decode(oracle.generate(oracle.tokenizer.encode(prompt), 16, proposer="ngram",
+                                                      gamma=4, seed=7 + k, **sampling).tokens) for k in range(2)]
+    for s in (server, batch_server):
+        client = s.client()
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, n=3, seed=40, **sampling)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert [c.message.content for c in r.choices] == want
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(
+            len(oracle.generate(ids, 16, proposer="ngram", gamma=4, seed=40 + k, **sampling).tokens) for k in range(3))
+        texts, finishes = ["", "", ""], [None] * 3
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, n=3, seed=40,
+                                                    stream=True, **sampling):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finishes[c.index] = c.finish_reason or finishes[c.index]
+        assert texts == want and all(finishes)
+        c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, n=2, seed=7, **sampling)
+        assert [x.text for x in c.choices] == want_c
+        texts = ["", ""]
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, n=2, seed=7, stream=True,
+                                               **sampling):
+            for x in chunk.choices:
+                texts[x.index] += x.text
+        assert texts == want_c
+
+
 def test_stop_strings_cut_the_text_before_them(server, oracle):
     prompt = words(5, 20)
     full = expected(oracle, oracle.tokenizer.encode(prompt), 24)
@@ -248,7 +284,9 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 2}, 400, "n > 1"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 0}, 400, "n must be an integer in 1..16"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": "2"}, 400, "n must be an integer"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 17}, 400, "n must be an integer"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "seed": "x"}, 400, "seed"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "gamma": 3}, 400, "gamma 3"),
@@ -366,6 +404,14 @@ def slow_server(tiny_bundle):
     gen.stream = slow_stream
     yield s
     s.close()
+
+
+def test_n_beyond_the_queue_is_refused_at_once(slow_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2, "n": 3}
+    r = httpx.post(slow_server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "n = 3 is more than this server queues (2, --max-queue)" in r.json()["error"]["message"]
+    r = httpx.post(slow_server.url + "/v1/chat/completions", json=dict(body, n=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server, oracle):
