@@ -54,9 +54,41 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))  # max-subtraction: exp never overflows, the max entry is 1
-    return e / e.sum(axis=-1, keepdims=True)
+def _keep(probs: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """probs [N, V] (overwritten) with the entries outside `kept` [N, V] (bool) set to 0, renormalized: the
+    softmax of the logits with those entries at -inf, without a second pass of exp."""
+    probs = np.multiply(probs, kept, out=probs)  # in place: times 1 or exactly 0
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+TOP_P_CANDIDATES = 256  # top-p sorts only this many largest entries per row while they hold the mass
+
+
+def _top_p_floor(probs: np.ndarray, top_p: float, order: np.ndarray) -> np.ndarray:
+    """probs [N, V] -> [N, 1]: the probability of the last token of the smallest top set with mass >= top_p
+    (every token at least that likely is kept). A cumulative sum of the largest m entries in descending order
+    is the first m terms of the full one, bit for bit, so sorting the m largest (O(V) to find them) gives the
+    full sort's answer wherever their mass reaches top_p; other rows sort everything.
+
+    order [N, V]: the scaled logits, which order the tokens as probs does (a larger one is at least as likely)
+    and, unlike probs after top-k, are not mostly equal zeros, on which partitioning is 8x slower."""
+    v = probs.shape[-1]
+    m = min(v, TOP_P_CANDIDATES)
+    largest = np.argpartition(order, v - m, axis=-1)[:, v - m:]
+    desc = -np.sort(-np.take_along_axis(probs, largest, axis=-1), axis=-1)
+    cut = (np.cumsum(desc, axis=-1) < top_p).sum(axis=-1)
+    short = cut >= m  # the m largest hold less than top_p
+    if short.any():
+        full = -np.sort(-probs[short], axis=-1)
+        # Tokens before the one where the running mass first reaches top_p; min() covers a total that
+        # rounds below top_p (then everything is kept).
+        full_cut = np.minimum((np.cumsum(full, axis=-1) < top_p).sum(axis=-1), v - 1)
+        floor = np.empty(len(probs))
+        floor[short] = full[np.arange(len(full)), full_cut]
+        floor[~short] = desc[~short, cut[~short]]
+        return floor[:, None]
+    return desc[np.arange(len(desc)), cut][:, None]
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -74,32 +106,31 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """
     if params.greedy:
         raise ValueError("probs_from_logits needs temperature > 0; use greedy_token(s) for temperature 0")
-    x = np.asarray(logits, dtype=np.float64)
+    x = np.array(logits, dtype=np.float64)  # a copy: shifted and scaled in place below
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"logits must be [N, V] or [V] with V > 0, got shape {x.shape}")
-    if np.isnan(x).any() or (x == np.inf).any() or not np.isfinite(x).any(axis=-1).all():
+    shape, v = x.shape, x.shape[-1]
+    x = x.reshape(-1, v)
+    top = x.max(axis=-1, keepdims=True)  # NaN if the row holds one, +inf for +inf, -inf for a row of -inf
+    if not np.isfinite(top).all():
         raise ValueError("logits must be finite or -inf, with at least one finite entry per row")
-    v = x.shape[-1]
 
-    # Shift before dividing: the same softmax, but now x <= 0, so a tiny temperature can only overflow to
-    # -inf (probability 0, as the math says) instead of making inf - inf = NaN.
+    # Shift before dividing: the same softmax, but now x <= 0 with 0 at the top, so a tiny temperature can
+    # only overflow to -inf (probability 0, as the math says) instead of making inf - inf = NaN, and exp
+    # needs no further shift.
+    x -= top
     with np.errstate(over="ignore"):
-        x = (x - x.max(axis=-1, keepdims=True)) / params.temperature
-    if 0 < params.top_k < v:
-        kth = np.partition(x, v - params.top_k, axis=-1)[..., v - params.top_k, None]
-        x = np.where(x >= kth, x, -np.inf)
-    probs = _softmax(x)
+        x /= params.temperature
+    top_k = 0 < params.top_k < v
+    if top_k:
+        in_top_k = x >= np.partition(x, v - params.top_k, axis=-1)[:, v - params.top_k, None]
+    probs = np.exp(x)  # (exp is several times slower on -inf entries: the top-k mask comes after it)
+    probs = _keep(probs, in_top_k) if top_k else np.divide(probs, probs.sum(axis=-1, keepdims=True), out=probs)
     if params.top_p < 1:
-        desc = -np.sort(-probs, axis=-1)
-        # Tokens before the one where the running mass first reaches top_p; min() covers a total that
-        # rounds below top_p (then everything is kept).
-        cut = np.minimum((np.cumsum(desc, axis=-1) < params.top_p).sum(axis=-1), v - 1)
-        smallest_kept = np.take_along_axis(desc, cut[..., None], axis=-1)
-        x = np.where(probs >= smallest_kept, x, -np.inf)
-        probs = _softmax(x)
+        probs = _keep(probs, probs >= _top_p_floor(probs, params.top_p, x))
     if params.min_p > 0:  # the top token always stays: its probability is the maximum
-        probs = _softmax(np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), x, -np.inf))
-    return probs
+        probs = _keep(probs, probs >= params.min_p * probs.max(axis=-1, keepdims=True))
+    return probs.reshape(shape)
 
 
 def hold_back(logits: np.ndarray, positions: np.ndarray, min_new_tokens: int, ids) -> np.ndarray:

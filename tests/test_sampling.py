@@ -177,6 +177,35 @@ def test_matches_reference_on_random_logits():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300, err_msg=f"trial {trial}")
 
 
+def test_top_p_over_a_large_vocabulary_matches_the_reference():
+    """Top-p sorts only the largest TOP_P_CANDIDATES entries of a row while they hold top_p of its mass, and the
+    whole row otherwise: rows of both kinds, with and without top-k and min-p, in one call."""
+    from specedge.runtime.sampling import TOP_P_CANDIDATES
+
+    rng = np.random.default_rng(5)
+    v = 8 * TOP_P_CANDIDATES
+    rows = np.stack([rng.standard_normal(v) * scale for scale in (8.0, 3.0, 0.05, 0.5)]).astype(np.float32)
+    rows[1, :40] = rows[1].max()  # ties at the top
+    # the five most likely first, most of the mass in the last TOP_P_CANDIDATES entries (a wrong candidate
+    # set, such as the entries in index order, reaches top_p there with the wrong floor)
+    tail = np.full(v, -10.0)
+    tail[:5] = 5.0
+    tail[-TOP_P_CANDIDATES:] = 4.5 + rng.uniform(0, 0.1, TOP_P_CANDIDATES)
+    rows = np.concatenate([rows, tail[None].astype(np.float32)])
+    for t, k, top_p, min_p in ((0.7, 0, 0.95, 0.0), (1.0, 0, 0.5, 0.0), (0.7, 300, 0.9, 0.0), (1.2, 50, 0.99, 0.1),
+                               (0.7, 0, 0.999, 0.0)):
+        params = SamplingParams(t, top_k=k, top_p=top_p, min_p=min_p)
+        kept = reference_kept = 0
+        got = probs_from_logits(rows, params)
+        for row, g in zip(rows, got):
+            want = reference_probs(row, t, k, top_p, min_p)
+            np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-300, err_msg=str(params))
+            kept, reference_kept = kept + (g > 0).sum(), reference_kept + sum(w > 0 for w in want)
+        assert kept == reference_kept
+    flat = probs_from_logits(rows[2:3], SamplingParams(1.0, top_p=0.95))
+    assert (flat > 0).sum() > TOP_P_CANDIDATES  # that row needed the whole sort
+
+
 def test_disabled_filters_are_no_ops_and_rows_are_vectorized():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((16, 50)).astype(np.float32)
