@@ -112,6 +112,10 @@ class Engine:
         ids = self.tokenize(req)
         room = self.gen.target.dims.context - len(ids)
         self._check_speculation(req)
+        vocab = self.gen.target.dims.vocab_size
+        if any(t >= vocab for t in req.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be token ids below the vocabulary size {vocab}",
+                               param="stop_token_ids")
         if req.n > self.config.max_queue:
             raise RequestError(f"n = {req.n} is more than this server queues ({self.config.max_queue}, --max-queue)",
                                param="n")
@@ -125,6 +129,10 @@ class Engine:
         for job in jobs:
             self._queue.put(job)
         return jobs
+
+    def stop_ids(self, req: CompletionRequest) -> list[int]:
+        """The tokens that end the request's completion: EOS (unless ignore_eos) and its stop_token_ids."""
+        return ([] if req.ignore_eos else list(self.gen.eos_ids)) + req.stop_token_ids
 
     def _check_speculation(self, req: CompletionRequest) -> None:
         try:
@@ -174,7 +182,11 @@ class Engine:
         return items
 
     def _emit(self, job: Job, text: TextStream, new: list[int], entries: list[TokenLogprob] | None = None) -> bool:
-        """Publish what a round's tokens add to the text (and their logprobs); True when a stop string ended it."""
+        """Publish what a round's tokens add to the text (and their logprobs); True when a stop string ended it.
+        A stop token id that ends the round is left out of the text, as EOS is (vLLM's default)."""
+        if new and new[-1] in job.request.stop_token_ids:
+            new = new[:-1]
+            entries = None if entries is None else entries[:len(new)]
         piece = text.push(new)
         items = self._logprob_items(text, entries) if entries is not None else None
         if piece or items:
@@ -230,7 +242,7 @@ class SerialEngine(Engine):
         entries = [] if req.logprobs is not None else None
         rounds = self.gen.stream(job.prompt_ids, max_new_tokens=job.max_tokens, proposer=req.proposer or cfg.proposer,
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
-                                 top_p=req.top_p, seed=req.seed, stats=stats, reuse=True,
+                                 top_p=req.top_p, seed=req.seed, stop_ids=self.stop_ids(req), stats=stats, reuse=True,
                                  min_new_tokens=req.min_tokens, logprobs=req.logprobs, logprobs_out=entries,
                                  **req.extra_sampling())
         try:
@@ -298,7 +310,8 @@ class BatchEngine(Engine):
             b = runner.free_row(job.prompt_ids)
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
-                             req.temperature, req.top_k, req.top_p, req.seed, min_new_tokens=req.min_tokens,
+                             req.temperature, req.top_k, req.top_p, req.seed, self.stop_ids(req),
+                             min_new_tokens=req.min_tokens,
                              logprobs=req.logprobs, **req.extra_sampling())
             except SpecedgeError as e:
                 self.metrics.count_request("error")

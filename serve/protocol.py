@@ -60,6 +60,8 @@ class CompletionRequest:
     logprobs: int | None = None  # alternatives reported per token (chat: top_logprobs); None: no logprobs
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     n: int = 1  # choices; choice k samples with seed + k when a seed is given
+    ignore_eos: bool = False  # vLLM's: EOS does not end the completion
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: these end it too (their text is left out)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -127,6 +129,12 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     min_tokens = body.get("min_tokens", 0)
     if not is_int(min_tokens) or min_tokens < 0:
         raise RequestError("min_tokens must be a non-negative integer", param="min_tokens")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RequestError("ignore_eos must be a boolean", param="ignore_eos")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(is_int(t) and t >= 0 for t in stop_ids):
+        raise RequestError("stop_token_ids must be a list of token ids", param="stop_token_ids")
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     repetition = body.get("repetition_penalty", 1.0)
@@ -135,7 +143,7 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
                              bool(options.get("include_usage")), proposer, gamma, min_tokens, presence, frequency,
                              float(repetition), _number(body, "min_p", 0.0, 0.0, 1.0), _logprobs(body, chat),
-                             _logit_bias(body.get("logit_bias")), int(n))
+                             _logit_bias(body.get("logit_bias")), int(n), ignore_eos, stop_ids)
 
 
 def _logit_bias(bias) -> dict[int, float] | None:

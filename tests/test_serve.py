@@ -285,6 +285,11 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 0}, 400, "n must be an integer in 1..16"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop_token_ids": [-1]}, 400,
+     "stop_token_ids must be a list of token ids"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop_token_ids": [100000]}, 400,
+     "stop_token_ids must be token ids below the vocabulary size"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": "2"}, 400, "n must be an integer"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "n": 17}, 400, "n must be an integer"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "seed": "x"}, 400, "seed"),
@@ -339,6 +344,34 @@ def test_min_tokens_holds_eos_back_as_the_runtime_does(server, batch_server, ora
         r = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
                                           extra_body={"min_tokens": 24, "proposer": "ngram"})
         assert r.choices[0].text == want and r.usage.completion_tokens == 24
+
+
+def test_ignore_eos_and_stop_token_ids(server, batch_server, oracle):
+    """vLLM's ignore_eos runs past EOS to max_tokens (the runtime with no stop ids); stop_token_ids end the
+    completion at the first of them, whose text is left out as EOS's is; both engines, streamed or not."""
+    prompt = next(words(seed, 12) for seed in range(400)
+                  if len(oracle.generate(oracle.tokenizer.encode(words(seed, 12)), 24, proposer="none").tokens) < 20)
+    ids = oracle.tokenizer.encode(prompt)
+    past_eos = oracle.generate(ids, 24, proposer="none", stop_ids=[]).tokens
+    assert len(past_eos) == 24 and set(past_eos) & set(oracle.eos_ids)
+    other = words(2, 25)
+    full = oracle.generate(oracle.tokenizer.encode(other), 24, proposer="none").tokens
+    at = next(i for i in range(2, len(full)) if full[i] not in full[:i] and full[i] not in oracle.eos_ids)
+    for s in (server, batch_server):
+        client = s.client()
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True, "proposer": "ngram"})
+        assert r.choices[0].text == oracle.tokenizer.decode(past_eos) and r.usage.completion_tokens == 24
+        assert r.choices[0].finish_reason == "length"
+        for stream in (False, True):
+            r = client.completions.create(model=MODEL, prompt=other, max_tokens=24, temperature=0, stream=stream,
+                                          logprobs=0 if not stream else None,
+                                          extra_body={"stop_token_ids": [full[at]], "proposer": "ngram"})
+            choices = [c for chunk in r for c in chunk.choices] if stream else r.choices
+            assert "".join(c.text for c in choices) == oracle.tokenizer.decode(full[:at])
+            assert [c.finish_reason for c in choices if c.finish_reason] == ["stop"]
+            if not stream:
+                assert r.usage.completion_tokens == at + 1 and len(r.choices[0].logprobs.tokens) == at
 
 
 def test_penalties_reach_the_runtime(server, batch_server, oracle):
