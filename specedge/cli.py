@@ -371,7 +371,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="with --temperature: repeat r of prompt i samples with seed + 1000 r + i (default 0)")
     p.add_argument("--compare", type=_names, default=None, metavar="PEERS",
-                   help="also run peers: transformers, ort-genai, ort-genai-int4 (each needs its package installed)")
+                   help="also run peers: transformers, ort-genai, ort-genai-int4, llama.cpp (each needs its package "
+                   "installed)")
     p.add_argument("--peer-model", metavar="PATH", help="model the peers load (default: the bundle's SmolLM2 GGUF)")
     p.add_argument("--json", metavar="OUT", help="write every run and the summary as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a plot: tokens/s by configuration, acceptance by position")

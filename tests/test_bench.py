@@ -92,15 +92,19 @@ def test_bad_options(tiny_bundle, prompts, args, expected):
     assert expected in r.stderr, r.stderr
 
 
-def test_compare_with_a_missing_peer_names_the_extra(tiny_bundle, prompts, tiny_models):
+@pytest.mark.parametrize("module, peer, hints", [
+    ("onnxruntime_genai", "ort-genai", ("onnxruntime-genai", "specedge[peers]")),
+    ("llama_cpp", "llama.cpp", ("llama-cpp-python", "specedge[llamacpp]")),
+])
+def test_compare_with_a_missing_peer_names_the_extra(tiny_bundle, prompts, tiny_models, module, peer, hints):
     block = ("import sys\nclass B:\n    def find_spec(self, n, p=None, t=None):\n"
-             "        if n.split('.')[0] == 'onnxruntime_genai': raise ImportError('blocked')\n"
+             f"        if n.split('.')[0] == {module!r}: raise ImportError('blocked')\n"
              "sys.meta_path.insert(0, B())\nfrom specedge.cli import main\n"
-             f"sys.exit(main(['bench', {tiny_bundle!r}, '--prompts', {prompts!r}, '--compare', 'ort-genai', "
+             f"sys.exit(main(['bench', {tiny_bundle!r}, '--prompts', {prompts!r}, '--compare', {peer!r}, "
              f"'--peer-model', {tiny_models['llama'][0]!r}]))")
     r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "onnxruntime-genai" in r.stderr and "specedge[peers]" in r.stderr
+    assert all(h in r.stderr for h in hints), r.stderr
 
 
 def test_unknown_peer_and_missing_draft(tiny_bundle, prompts, tiny_models, tmp_path):
@@ -113,3 +117,39 @@ def test_unknown_peer_and_missing_draft(tiny_bundle, prompts, tiny_models, tmp_p
                   progress=False)
     r = bench(out, "--prompts", prompts, "--proposers", "ngram,draft", "--gamma", "4")
     assert r.returncode == 2 and "needs a bundle with a draft model" in r.stderr
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama in the kernel self-check: next-token scores per position, from a table."""
+
+    def __init__(self, table):
+        self.table, self.n = table, 0
+
+    def tokenize(self, text, add_bos=False):
+        return list(range(len(self.table)))
+
+    def reset(self):
+        self.n = 0
+
+    def eval(self, ids):
+        self.n = len(ids)
+
+    @property
+    def scores(self):
+        return self.table[:self.n]
+
+
+def test_llama_cpp_peer_refuses_a_build_whose_batches_disagree():
+    """A llama.cpp build whose batched kernels compute another model (llama.cpp's AMX kernels did with Q4_1)
+    is refused with the rebuild command; one whose batches agree with its one-token path is taken."""
+    import numpy as np
+
+    from specedge.tools.peers import PeerUnavailable, check_llama_cpp_kernels
+
+    rng = np.random.default_rng(0)
+    one_token = rng.standard_normal((64, 50))
+    wrong = rng.standard_normal((64, 50))
+    close = one_token + rng.standard_normal((64, 50)) * 1e-6
+    check_llama_cpp_kernels(lambda **kw: FakeLlama(one_token if kw.get("n_batch") == 1 else close))
+    with pytest.raises(PeerUnavailable, match="GGML_AMX_INT8=OFF"):
+        check_llama_cpp_kernels(lambda **kw: FakeLlama(one_token if kw.get("n_batch") == 1 else wrong))

@@ -1,7 +1,7 @@
 """`specedge bench`: every configuration on every prompt, in one process, interleaved, with medians.
 
 Configurations are plain decode (`none`), each proposer at each gamma, and optionally peer systems
-(`--compare transformers,ort-genai,ort-genai-int4`) on the same prompt ids, threads and token budget. Runs interleave
+(`--compare transformers,ort-genai,ort-genai-int4,llama.cpp`) on the same prompt ids, threads and token budget. Runs interleave
 (repeat -> prompt -> configuration) so drift on a shared machine hits every configuration alike; each
 (prompt, configuration) keeps the median of its repeats. Greedy outputs are compared with plain decode's
 token for token.

@@ -4,7 +4,7 @@ A speed ratio against a peer is only meaningful when both numbers come from one 
 same thermal state, same prompts, same thread count. So the peers live here, behind one small interface,
 and the bench calls them right next to its own runs:
 
-    peer = load_peer("ort-genai", gguf_path, threads=2, cache_dir=cache)   # or "ort-genai-int4", "transformers"
+    peer = load_peer("ort-genai", gguf_path, threads=2, cache_dir=cache)  # or ort-genai-int4, transformers, llama.cpp
     for config in peer.configs:
         result = peer.generate(prompt_ids, max_new_tokens=128, config=config)
 
@@ -23,6 +23,10 @@ column, which compares every system with our own plain decode, holds for this pe
 happen to agree (top-1 agreement between the two int4 models is about 60% per position on
 benchmarks/quality/text.txt). Compare its speed with our int4 bundles, and quality with
 `python -m specedge.tools.quality` (benchmarks/quality/README.md).
+
+`llama.cpp` runs the GGUF file itself through llama-cpp-python (for the embedded SmolLM2: Q4_1, llama.cpp's
+own kernels), another peer for our int4 bundles, whose quality is that of our `--quant-scheme offset` copy
+of the same file.
 
 Every run is greedy and produces exactly `max_new_tokens` tokens: EOS is suppressed until then
 (`min_new_tokens` / `min_length`), because a peer that stops early on EOS would report a rate over a
@@ -384,11 +388,122 @@ class OrtGenaiPeer(Peer):
 
 
 # --------------------------------------------------------------------------------------------------
+# llama.cpp
+# --------------------------------------------------------------------------------------------------
+
+_LLAMA_CPP_HINT = ("pip install 'specedge[llamacpp]'  (or: pip install llama-cpp-python; it compiles llama.cpp "
+                   "on install and needs a C/C++ compiler and cmake)")
+
+# llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding): match up to 2 tokens, propose up to 10, as
+# transformers' prompt lookup does with our HF_PROMPT_LOOKUP_TOKENS.
+LLAMA_CPP_LOOKUP = {"max_ngram_size": 2, "num_pred_tokens": HF_PROMPT_LOOKUP_TOKENS}
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise PeerUnavailable(f"the llama.cpp peer needs llama-cpp-python: {_LLAMA_CPP_HINT}") from e
+    return llama_cpp
+
+
+# Text for the kernel self-check below: any ordinary prose works.
+_CHECK_TEXT = ("The quick brown fox jumps over the lazy dog. A speculative decoder drafts a few tokens, verifies "
+               "them in one step, and keeps the longest prefix that the target model agrees with. ") * 2
+
+
+def load_llama_cpp(gguf_path: str, threads: int, n_ctx: int = 2048, **kwargs):
+    """llama.cpp's model of the GGUF itself (its own quantized kernels), CPU only, quiet; refused when the
+    build's batched kernels disagree with its one-token ones (check_llama_cpp_kernels)."""
+    llama_cpp = import_llama_cpp()
+    if not os.path.isfile(gguf_path):
+        raise BackendError(f"no GGUF file at {gguf_path}")
+
+    def load(**more):
+        return llama_cpp.Llama(model_path=gguf_path, n_threads=threads or None, n_threads_batch=threads or None,
+                               n_gpu_layers=0, verbose=False, **more)
+
+    check_llama_cpp_kernels(load)
+    return load(n_ctx=n_ctx, **kwargs)
+
+
+def check_llama_cpp_kernels(load) -> None:
+    """A prompt evaluated in one batch must predict what it predicts one token at a time. llama.cpp's AMX
+    kernels (built by default on CPUs that have AMX, such as recent Xeons) computed Q4_0/Q4_1 batches wrongly
+    until llama.cpp PR 19925 (2026-02): here llama-cpp-python 0.3.16's build agreed with the one-token path on
+    22% of SmolLM2 Q4_1's positions, 97% with AMX left out. Such a peer would be measured on garbage."""
+    np = __import__("numpy")
+    batched, single = load(n_ctx=256, logits_all=True), load(n_ctx=256, logits_all=True, n_batch=1, n_ubatch=1)
+    ids = batched.tokenize(_CHECK_TEXT.encode(), add_bos=False)[:64]
+    tops = []
+    for llm in (batched, single):
+        llm.reset()
+        llm.eval(ids)
+        tops.append(np.argmax(np.asarray(llm.scores[:len(ids)]), axis=-1))
+    agree = float((tops[0] == tops[1]).mean())
+    if agree < 0.9:
+        raise PeerUnavailable(
+            f"this llama-cpp-python build computes a batched prompt unlike one token at a time (next-token agreement "
+            f"{agree:.0%}): llama.cpp's AMX kernels before PR 19925 do that with Q4_0/Q4_1; rebuild without them: "
+            "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+            "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF' pip install --force-reinstall --no-cache-dir llama-cpp-python")
+
+
+class LlamaCppPeer(Peer):
+    """llama.cpp (through llama-cpp-python) on the GGUF file itself: for the embedded SmolLM2 that is its Q4_1
+    weights run by llama.cpp's own kernels, the peer to compare our int4 bundles with. Greedy (temperature 0,
+    no penalties), EOS held back by a logits processor until max_new_tokens. `prompt-lookup` is
+    llama-cpp-python's prompt lookup decoding (a second context of the same file, since a draft model makes it
+    keep every position's logits). TTFT is the time to the first token generate() yields."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, threads: int):
+        llama_cpp = import_llama_cpp()
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self._np = __import__("numpy")
+        self.models = {"plain": load_llama_cpp(gguf_path, threads),
+                       "prompt-lookup": load_llama_cpp(gguf_path, threads,
+                                                       draft_model=LlamaPromptLookupDecoding(**LLAMA_CPP_LOOKUP))}
+        self._eos = self.models["plain"].token_eos()
+        self._processors = llama_cpp.LogitsProcessorList
+        self.configs = list(self.models)
+        self.versions = {"llama-cpp-python": llama_cpp.__version__}
+
+    def generate(self, prompt_ids, max_new_tokens: int, config: str = "plain") -> PeerResult:
+        ids = self._check_args(prompt_ids, max_new_tokens, config)
+        model, np, eos = self.models[config], self._np, self._eos
+        made: list[int] = []
+
+        def hold_eos(_input_ids, scores):
+            if len(made) < max_new_tokens:
+                scores[eos] = -np.inf
+            return scores
+
+        first = None
+        t0 = time.perf_counter()
+        for token in model.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                    reset=True, logits_processor=self._processors([hold_eos])):
+            if first is None:
+                first = time.perf_counter()
+            made.append(int(token))
+            if len(made) == max_new_tokens:
+                break
+        total = time.perf_counter() - t0
+        return PeerResult(self._check_result(made, max_new_tokens, config), total, first - t0 if first else None)
+
+    def close(self) -> None:
+        self.models = {}
+
+
+# --------------------------------------------------------------------------------------------------
 
 PEERS = {
     "transformers": lambda gguf_path, threads, cache_dir: TransformersPeer(gguf_path, threads),
     "ort-genai": lambda gguf_path, threads, cache_dir: OrtGenaiPeer(gguf_path, threads, cache_dir),
     "ort-genai-int4": lambda gguf_path, threads, cache_dir: OrtGenaiPeer(gguf_path, threads, cache_dir, "int4"),
+    "llama.cpp": lambda gguf_path, threads, cache_dir: LlamaCppPeer(gguf_path, threads),
 }
 
 

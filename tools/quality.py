@@ -1,6 +1,6 @@
 """`python -m specedge.tools.quality`: what quantization costs, measured teacher-forced on a fixed text.
 
-    python -m specedge.tools.quality REF_BUNDLE [BUNDLE ...] [--peer ort-genai-int4 --gguf PATH]
+    python -m specedge.tools.quality REF_BUNDLE [BUNDLE ...] [--peer ort-genai-int4|ort-genai|llama.cpp --gguf PATH]
         [--text benchmarks/quality/text.txt] [--window 512] [--threads 2] [--json OUT] [--cache-dir DIR]
 
 The text (benchmarks/quality/text.txt: prose and Python, about 7,400 SmolLM2 tokens) is tokenized once and
@@ -15,6 +15,8 @@ chunk's logits predicts the token after chunk token j. Peers run their own model
 * `ort-genai-int4` (and `ort-genai`, its fp32 export): ORT GenAI's model builder output for the same GGUF
   (tools/peers.py builds and caches it), run with onnxruntime's Python API, one forward per window with an
   empty past, which gives the logits of every position at once.
+* `llama.cpp`: the GGUF file itself as llama.cpp runs it (llama-cpp-python, every position's logits), one
+  eval per window from an empty cache.
 
 Per model: positions scored, perplexity (exp of the mean negative log-likelihood, log-softmax in float64),
 top-1 accuracy against the text's actual next token, and top-1 agreement with the first model given (the
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ DEFAULT_TEXT = os.path.join("benchmarks", "quality", "text.txt")
 DEFAULT_WINDOW = 512
 # Peer name -> ORT GenAI builder precision (tools/peers.py build_ort_genai_model).
 PEER_PRECISIONS = {"ort-genai-int4": "int4", "ort-genai": "fp32"}
+PEERS = [*PEER_PRECISIONS, "llama.cpp"]
 
 
 class QualityError(SpecedgeError):
@@ -209,6 +211,33 @@ def _ort_quant_summary(model_path: str) -> str:
     return ", ".join(f"{k} x{v}" if v > 1 else k for k, v in seen.items()) or "no quantized ops"
 
 
+# -- llama.cpp -----------------------------------------------------------------------------------------------
+def eval_llama_cpp(gguf: str, wins: list[list[int]], threads: int) -> Scores:
+    """llama.cpp on the GGUF itself (its own quantized kernels), every position's logits: one eval per window
+    from an empty cache."""
+    from .peers import PeerUnavailable, load_llama_cpp
+
+    window = max(len(w) for w in wins)
+    try:
+        llm = load_llama_cpp(gguf, threads, n_ctx=max(window, 16), logits_all=True)
+    except PeerUnavailable as e:
+        raise QualityError(f"--peer llama.cpp: {e}") from None
+    nlls, tops = [], []
+    began = time.perf_counter()
+    for win in wins:
+        feed, targets = win[:-1], win[1:]
+        llm.reset()
+        llm.eval(feed)
+        nll, top = score_rows(np.array(llm.scores[:len(feed)], np.float32), targets)
+        nlls.append(nll)
+        tops.append(top)
+    seconds = time.perf_counter() - began
+    import llama_cpp
+
+    return Scores("llama.cpp", "peer", gguf, f"the GGUF as llama.cpp runs it ({os.path.basename(gguf)})",
+                  np.concatenate(nlls), np.concatenate(tops), seconds, {"llama_cpp_python": llama_cpp.__version__})
+
+
 # -- the report ---------------------------------------------------------------------------------------------
 def agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float((a == b).mean())
@@ -274,8 +303,8 @@ def run_quality(bundles: list[str], peers: list[str], gguf: str | None, text_pat
     if not bundles:
         raise QualityError("give at least one bundle (the first one is the reference)")
     for p in peers:
-        if p not in PEER_PRECISIONS:
-            raise QualityError(f"unknown peer {p!r}; --peer takes {', '.join(PEER_PRECISIONS)}")
+        if p not in PEERS:
+            raise QualityError(f"unknown peer {p!r}; --peer takes {', '.join(PEERS)}")
     if window < 2:
         raise QualityError(f"--window must be at least 2, not {window}")
     if threads < 0:
@@ -319,10 +348,8 @@ def run_quality(bundles: list[str], peers: list[str], gguf: str | None, text_pat
         cache = cache_dir or _default_cache()
         for p in peers:
             say(f"quality: {p} ({len(wins)} windows)")
-            rows.append(eval_ort_genai(p, gguf, wins, threads, cache))
-    if importlib.util.find_spec("llama_cpp") is None:
-        notes.append("llama-cpp-python is not installed, so there is no llama.cpp row (it builds llama.cpp from "
-                     "source on install; not installed on purpose)")
+            rows.append(eval_llama_cpp(gguf, wins, threads) if p == "llama.cpp"
+                        else eval_ort_genai(p, gguf, wins, threads, cache))
 
     targets = np.asarray([t for w in wins for t in w[1:]], np.int64)
     ref = rows[0]
@@ -363,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "perplexity, top-1 accuracy and top-1 agreement with the first bundle.")
     p.add_argument("bundles", nargs="+", metavar="BUNDLE",
                    help="bundles; the first is the reference (normally float32)")
-    p.add_argument("--peer", action="append", default=[], choices=list(PEER_PRECISIONS),
-                   help="also score a peer model of the same GGUF (repeatable): ort-genai-int4, ort-genai")
+    p.add_argument("--peer", action="append", default=[], choices=PEERS,
+                   help="also score a peer model of the same GGUF (repeatable): ort-genai-int4, ort-genai, llama.cpp")
     p.add_argument("--gguf", metavar="PATH", help="the GGUF the peers are built from (default: the embedded SmolLM2 "
                    "GGUF when the reference bundle came from it)")
     p.add_argument("--text", default=None, metavar="FILE",
