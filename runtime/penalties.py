@@ -53,7 +53,8 @@ class Penalties:
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
             if not _is_real(x) or not math.isfinite(x) or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {x!r} for token {token}")
+                raise ValueError(f"logit_bias values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {x!r} for token {token}")
 
     @property
     def off(self) -> bool:

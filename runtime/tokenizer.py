@@ -39,22 +39,26 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes | None:
-        """One token's own bytes, as OpenAI's logprobs report them: a token that holds part of a UTF-8 character
-        has bytes but no text of its own. Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) spells each byte as
-        one character of its alphabet; SentencePiece's byte fallback spells a byte <0xNN>. Otherwise the
-        token's text, or None where that text is not whole. A special token (no text) has no bytes."""
+        return self.token_text_and_bytes(token)[1]
+
+    def token_text_and_bytes(self, token: int) -> tuple[str, bytes | None]:
+        """One token's text and its own bytes, as OpenAI's logprobs report them: a token that holds part of a
+        UTF-8 character has bytes but no text of its own ("\ufffd"). Byte-level BPE (GPT-2, Llama 3, Qwen,
+        SmolLM2) spells each byte as one character of its alphabet; SentencePiece's byte fallback spells a byte
+        <0xNN>. Otherwise the bytes are the token's text, or None where that text is not whole. A special token
+        (no text) has no bytes."""
         text = self.decode([token])
         piece = self._tok.id_to_token(token)
         if not text or piece is None:
-            return b""
+            return text, b""
         if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
-            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            return text, bytes(_BYTE_OF_CHAR[c] for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
-                return bytes([int(piece[3:5], 16)])
+                return text, bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        return None if "\ufffd" in text else text.encode()
+        return text, None if "\ufffd" in text else text.encode()
 
     def apply_chat_template(self, messages: str | list[dict]) -> list[int]:
         """The chat template rendered for the messages (a string is one user turn) plus the assistant's

@@ -166,8 +166,8 @@ class Engine:
         tok = self.gen.tokenizer
         if tok is None:
             return str(token), list(str(token).encode())
-        data = tok.token_bytes(token)
-        return tok.decode([token]), None if data is None else list(data)
+        text, data = tok.token_text_and_bytes(token)
+        return text, None if data is None else list(data)
 
     def _logprob_items(self, text: TextStream, entries: list[TokenLogprob]) -> list[dict]:
         """The round's tokens (the last len(entries) of `text`) as protocol.logprobs_body reads them; after a

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..runtime.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
+from ..runtime.penalties import MAX_LOGIT_BIAS
 from ..runtime.sampling import is_int
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -157,9 +158,9 @@ def _logit_bias(bias) -> dict[int, float] | None:
     for token, x in bias.items():
         if not (isinstance(token, str) and token.isascii() and token.isdigit()):
             raise RequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not -100 <= x <= 100:
-            raise RequestError(f"logit_bias values must be numbers between -100 and 100, got {x!r} for token {token}",
-                               param="logit_bias")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias values must be numbers between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
+                               f"got {x!r} for token {token}", param="logit_bias")
         out[int(token)] = float(x)
     return out
 
