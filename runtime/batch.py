@@ -46,6 +46,7 @@ from .generator import (GenerationResult, check_min_new_tokens, check_request, c
                         check_vocab, shares_target_cache, token_ids)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
+from .output_history import HISTORY_N_MIN, OutputHistory, output_history
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState
@@ -98,6 +99,8 @@ class BatchRunner:
         self.batch = target.dims.batch
         self.rows: list[Row | None] = [None] * self.batch
         self.history: list[list[int]] = [[] for _ in range(self.batch)]  # what each free row's cache holds
+        # earlier outputs prompt lookup also drafts from (runtime/output_history.py); None: off
+        self.output_history: OutputHistory | None = None
         self._gammas: set[int] = set()
 
     # -- rows in and out -----------------------------------------------------------------------------
@@ -162,9 +165,20 @@ class BatchRunner:
         self.rows[b] = row
         return row
 
+    def _lookup(self, row: Row, k: int) -> list[int]:
+        """Prompt lookup for one row, then the output history (as proposers.NgramProposer does)."""
+        context = np.asarray(row.context)
+        chain = ngram_chain(context, k, *row.ngram)
+        if not chain and self.output_history is not None:
+            chain = self.output_history.lookup(context, k, max(row.ngram[0], HISTORY_N_MIN), row.ngram[1])
+        return chain
+
     def release(self, b: int) -> Row:
-        """Free row b; its cache keeps the sequence's committed tokens for a later request to reuse."""
+        """Free row b; its cache keeps the sequence's committed tokens for a later request to reuse, and its
+        output goes into the output history, if any."""
         row = self.rows[b]
+        if self.output_history is not None:
+            self.output_history.add(row.output)
         committed = row.context[:-1]
         n = min(int(self.target.cache.length[b]), len(committed))  # a cut round may have stored more
         self.target.cache.set_row_length(b, n)
@@ -255,7 +269,7 @@ class BatchRunner:
             while k > 0 and not any(k + 1 <= t <= room for t in steps):
                 k -= 1
             # prompt lookup drafts for free, so its drafts are known before the width is chosen
-            drafts[b] = ngram_chain(np.asarray(row.context), k, *row.ngram) if k > 0 and row.proposer == "ngram" else []
+            drafts[b] = self._lookup(row, k) if k > 0 and row.proposer == "ngram" else []
             if k > 0 and row.proposer == "draft":
                 wanted[b] = k
         if not drafts:
@@ -423,14 +437,19 @@ class BatchGenerator:
         self.runner = BatchRunner(self.target, manifest, self.eos_ids, self.draft)
 
     @classmethod
-    def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "BatchGenerator":
+    def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None,
+             history_tokens: int = 0) -> "BatchGenerator":
+        """history_tokens N > 0: prompt lookup also drafts from the last N tokens of earlier outputs."""
+        history = output_history(history_tokens)
         manifest = load_manifest(bundle)
         check_vocab(manifest)
         engine = create_backend(backend, threads)
         for weights in {m.weights for m in manifest.models.values()}:
             engine.add_weights_file(os.path.join(bundle, weights),
                                     read_index(os.path.join(bundle, weights_index_file(weights))))
-        return cls(bundle, manifest, engine)
+        gen = cls(bundle, manifest, engine)
+        gen.runner.output_history = history
+        return gen
 
     def close(self) -> None:
         if self.draft is not None:

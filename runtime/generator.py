@@ -30,6 +30,7 @@ from .draft_length import DraftLength, TreeChoice
 from .exactness import warn_if_unverified
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .model import ModelRunner
+from .output_history import OutputHistory, output_history
 from .penalties import Penalties, PenaltyState
 from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
@@ -65,9 +66,15 @@ class Generator:
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)
         self.active_session = None  # the runtime.session.Session whose entries the caches hold, if any
+        # Earlier outputs prompt lookup also drafts from (runtime/output_history.py); None: off. Every
+        # generation's output is added to it.
+        self.output_history: OutputHistory | None = None
 
     @classmethod
-    def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None) -> "Generator":
+    def load(cls, bundle: str, backend: str = "cpu", threads: int | None = None,
+             history_tokens: int = 0) -> "Generator":
+        """history_tokens N > 0: prompt lookup also drafts from the last N tokens of earlier outputs."""
+        history = output_history(history_tokens)
         manifest = load_manifest(bundle)
         if manifest.target.dims.batch != 1:
             raise BundleError(f"this bundle has batch {manifest.target.dims.batch}: run it with specedge generate "
@@ -77,7 +84,9 @@ class Generator:
         for weights in {m.weights for m in manifest.models.values()}:
             index = read_index(os.path.join(bundle, weights_index_file(weights)))
             engine.add_weights_file(os.path.join(bundle, weights), index)
-        return cls(bundle, manifest, engine)
+        gen = cls(bundle, manifest, engine)
+        gen.output_history = history
+        return gen
 
     @property
     def draft_shares_cache(self) -> bool:
@@ -106,13 +115,13 @@ class Generator:
             if gamma > tree - 1:
                 raise GenerationError(f"gamma {gamma} drafts do not fit a tree of {tree - 1} nodes")
 
-    def _proposer(self, name: str, ngram: tuple[int, int]):
+    def _proposer(self, name: str, ngram: tuple[int, int], adaptive: bool = True):
         if name == "draft":
             if self.draft_shares_cache:
                 return LayerDraftProposer(self.draft, self.target)
             return DraftModelProposer(self.draft)
         if name == "ngram":
-            return NgramProposer(*ngram)
+            return NgramProposer(*ngram, history=self.output_history, adaptive=adaptive)
         return NoProposer()
 
     def warm(self, proposer: str, gamma: int, tree: int = 0, prompt: int | None = None, new: int = 0) -> None:
@@ -205,7 +214,7 @@ class Generator:
         stats.tree = tree
         penalty = None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt)
         sampler = Sampler(params, np.random.default_rng(seed), self.target.dims.vocab_size, penalty)
-        drafter = self._proposer(proposer, ngram)
+        drafter = self._proposer(proposer, ngram, adaptive)
         length = DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft")
         choice = TreeChoice(adaptive)
         target = self.target
@@ -290,6 +299,8 @@ class Generator:
                 yield new
         finally:  # also when the consumer stops early (a client gone): the cache stays reusable
             self._keep_history(context[:-1] if clean else None, drafter)
+            if clean and self.output_history is not None:
+                self.output_history.add(context[len(prompt):])
             graph_after = target.graph_seconds + (self.draft.graph_seconds if self.draft else 0.0)
             stats.graph_ms = (graph_after - graph_before) * 1e3
             stats.decode_graph_ms = (graph_after - graph_after_prefill) * 1e3

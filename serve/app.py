@@ -34,6 +34,7 @@ class ServerConfig:
     threads: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_id: str | None = None  # default: the bundle's directory name
+    history_tokens: int = 0  # > 0: prompt lookup also drafts from earlier completions (runtime/output_history.py)
 
     @property
     def model(self) -> str:
@@ -49,7 +50,7 @@ def load_engine(config: ServerConfig) -> Engine:
 
     batched = load_manifest(config.bundle).target.dims.batch > 1
     gen = (BatchGenerator if batched else Generator).load(config.bundle, backend=config.backend,
-                                                           threads=config.threads)
+                                                           threads=config.threads, history_tokens=config.history_tokens)
     try:
         check_speculation(gen.manifest, gen.draft is not None, config.engine.proposer, config.engine.gamma)
         # Sessions are created on first use; create the default configuration's now, not in a request.

@@ -195,6 +195,9 @@ def _add_generate(sub) -> None:
                    "created or updated after the run")
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--history-tokens", type=int, default=0, metavar="N",
+                   help="with --prompts: prompt lookup also drafts from the last N tokens of the outputs finished "
+                   "before (default 0: off)")
 
 
 def _prompt_ids(gen, a) -> list[int]:
@@ -266,7 +269,7 @@ def _run_generate_batch(a) -> int:
         from .errors import GenerationError
 
         raise GenerationError("--tree runs one sequence at a time; batches (--prompts) verify chains")
-    gen = BatchGenerator.load(a.bundle, backend=a.backend, threads=a.threads)
+    gen = BatchGenerator.load(a.bundle, backend=a.backend, threads=a.threads, history_tokens=a.history_tokens)
     try:
         prompts = _batch_prompts(gen, a.prompts)
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
@@ -302,6 +305,10 @@ def _run_generate(a) -> int:
         from .errors import GenerationError
 
         raise GenerationError("--logprobs needs --json (or --prompts): the text stream has no place for them")
+    if a.history_tokens and not a.prompts:
+        from .errors import GenerationError
+
+        raise GenerationError("--history-tokens needs --prompts: one generation has no earlier outputs to draft from")
     if a.prompts:
         return _run_generate_batch(a)
     from .runtime.stats import Stats
@@ -364,6 +371,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--fixed-gamma", action="store_true", help="always propose gamma drafts (no adaptation)")
     p.add_argument("--trees", type=_ints, default=[], metavar="T1,T2",
                    help="also run each proposer and gamma < T as token trees in the bundle's tree graph T")
+    p.add_argument("--history", action="store_true",
+                   help="also run each ngram configuration with an output history: prompt lookup may draft from the "
+                   "outputs of the prompts before this one in the file (never its own)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples in every configuration (outputs not compared)")
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely tokens (0 = all)")
@@ -393,7 +403,8 @@ def _run_bench(a) -> int:
     result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
                        max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
                        limit=a.limit, backend=a.backend, peer_model=a.peer_model, adaptive=not a.fixed_gamma,
-                       trees=a.trees, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+                       trees=a.trees, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                       history=a.history)
     print(render_table(result["rows"]))
     print()
     print(render_round_breakdown(result["rows"]))
@@ -450,6 +461,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429 (default 16)")
     p.add_argument("--session-mb", type=int, default=256,
                    help="memory for cached conversations (prefix reuse across requests, default 256 MB)")
+    p.add_argument("--history-tokens", type=int, default=0, metavar="N",
+                   help="prompt lookup (ngram) also drafts from the last N tokens of earlier completions, any "
+                   "client's (default 0: off). Output is unchanged; a request's speed then depends on what others "
+                   "were answered")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
     p.add_argument("--ray", action="store_true", help="serve through Ray Serve (pip install 'specedge[ray]')")
@@ -466,13 +481,15 @@ def _run_serve(a) -> int:
     proposer = a.proposer or ("draft" if manifest.draft else "ngram")
     gamma = a.gamma or (4 if proposer == "draft" else 8)
     for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--max-queue", a.max_queue, 1),
-                             ("--replicas", a.replicas, 1), ("--session-mb", a.session_mb, 0)):
+                             ("--replicas", a.replicas, 1), ("--session-mb", a.session_mb, 0),
+                             ("--history-tokens", a.history_tokens, 0)):
         if value < low:
             raise GenerationError(f"{name} must be at least {low}")
     if a.ray and not 1 <= a.port <= 65535:  # serve_forever checks its own (it also takes 0: any free port)
         raise ServeError(f"--port must be in 1..65535 with --ray, not {a.port}")
     config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,
-                                                                       a.session_mb << 20), a.model_id)
+                                                                       a.session_mb << 20), a.model_id,
+                          a.history_tokens)
     if a.ray:
         from .serve.ray_serve import serve_with_ray
 

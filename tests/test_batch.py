@@ -425,6 +425,30 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_rows_draft_from_the_output_history_and_equal_batch_1(gens):
+    """Rows whose context has no match draft from the output history (here made-up earlier outputs that are
+    each row's own with every 7th token changed): still each row's batch-1 output, with drafts accepted and
+    rejected, and every row's output added to the history."""
+    from test_output_history import corrupted
+
+    from specedge.runtime.output_history import OutputHistory
+
+    g1, g3 = gens
+    prompts = [list(range(10 + 30 * s, 40 + 30 * s)) for s in range(3)]  # no repeats: nothing in the context
+    want = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in prompts]
+    without = sum(r.stats.proposed for r in g3.generate_batch(prompts, NEW, proposer="ngram", gamma=4, stop_ids=[],
+                                                               adaptive=False))
+    g3.runner.output_history = history = OutputHistory.of([corrupted(p[-6:] + w, 7) for p, w in zip(prompts, want)])
+    try:
+        results = g3.generate_batch(prompts, NEW, proposer="ngram", gamma=4, stop_ids=[], adaptive=False)
+    finally:
+        g3.runner.output_history = None
+    assert [r.tokens for r in results] == want
+    proposed, accepted = sum(r.stats.proposed for r in results), sum(r.stats.accepted for r in results)
+    assert 0 < accepted < proposed and proposed > without
+    assert len(history) == 3 * (6 + NEW) + 3 * NEW
+
+
 def test_rows_with_penalties_equal_their_batch_1_output(gens):
     """Each row keeps its own penalty state (its prompt and output): greedy and sampled rows equal batch 1. A
     logit bias bans the token plain decode writes most."""

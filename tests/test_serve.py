@@ -39,8 +39,9 @@ def free_port(candidates: range | None = None) -> int:
 class Server:
     """uvicorn in a thread of the test process, on a free loopback port."""
 
-    def __init__(self, bundle: str, **engine_options):
-        self.config = ServerConfig(bundle, threads=1, engine=EngineConfig(**engine_options), model_id=MODEL)
+    def __init__(self, bundle: str, history_tokens: int = 0, **engine_options):
+        self.config = ServerConfig(bundle, threads=1, engine=EngineConfig(**engine_options), model_id=MODEL,
+                                   history_tokens=history_tokens)
         self.engine = load_engine(self.config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -499,6 +500,29 @@ def test_serve_refuses_a_bad_bundle_before_listening(tmp_path):
     from specedge.cli import main
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
+
+
+def test_a_server_with_an_output_history_drafts_from_earlier_completions(tiny_bundle, oracle):
+    """--history-tokens: a second client asking what a first was answered gets the same greedy text, and
+    prompt lookup drafted it from the first's completion (the prompt alone has little to find)."""
+    from specedge.cli import main
+
+    messages = [{"role": "user", "content": " ".join(f"t{i}" for i in range(200, 230))}]
+    want = expected(oracle, chat_ids(oracle, messages), 24)
+    accepted = {}
+    for tokens in (0, 4096):
+        s = Server(tiny_bundle, history_tokens=tokens, proposer="ngram", gamma=8, max_tokens=24, max_queue=4)
+        try:
+            for _ in range(2):
+                got = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+                assert got.choices[0].message.content == want
+            accepted[tokens] = s.metrics()["specedge_draft_tokens_accepted_total"]
+            history = s.engine.gen.output_history
+            assert history is None if not tokens else len(history) == 2 * 24
+        finally:
+            s.close()
+    assert accepted[4096] >= accepted[0] + 8, accepted  # measured 24 against 12
+    assert main(["serve", tiny_bundle, "--history-tokens", "-1"]) == 2
 
 
 def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle):

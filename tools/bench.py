@@ -16,6 +16,10 @@ Every run, ours and the peers', produces exactly `max_new_tokens` tokens with EO
 end its answer keeps writing in the same conversation. (Before, our runs ignored EOS instead: the model
 ended its turn and wrote a new conversation after it, text that prompt lookup cannot copy, while the peers
 held EOS back. Speculative speed-ups depend on the text, so those comparisons were not like for like.)
+
+With `--history`, each ngram configuration also runs with an output history (runtime/output_history.py) that
+holds the outputs of the prompts before this one in the file (their plain decode in repeat 0), never this
+prompt's own: what a server that answered those requests first would have.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class Config:
     proposer: str = "none"  # ours: none | ngram | draft
     gamma: int = 0
     tree: int = 0  # ours: the tree graph T (0: chains)
+    history: bool = False  # ours: prompt lookup also drafts from the earlier prompts' outputs
     peer: str | None = None  # a peer system's name
     peer_config: str | None = None
 
@@ -89,8 +94,10 @@ def load_prompts(path: str) -> list[dict]:
     return prompts
 
 
-def configs_for(proposers: list[str], gammas: list[int], has_draft: bool, trees: list[int] = ()) -> list[Config]:
-    """Plain decode, each proposer at each gamma as a chain, and as a tree in each tree graph it fits."""
+def configs_for(proposers: list[str], gammas: list[int], has_draft: bool, trees: list[int] = (),
+                history: bool = False) -> list[Config]:
+    """Plain decode, each proposer at each gamma as a chain, and as a tree in each tree graph it fits; with
+    `history`, each ngram configuration also with the output history."""
     configs = [Config("none")]
     for proposer in proposers:
         if proposer == "none":
@@ -101,6 +108,11 @@ def configs_for(proposers: list[str], gammas: list[int], has_draft: bool, trees:
             raise BenchError("proposer 'draft' needs a bundle with a draft model (export with --draft-layers N)")
         configs += [Config(f"{proposer} g={g}", proposer, g) for g in gammas]
         configs += [Config(f"{proposer} g={g} tree={t}", proposer, g, t) for t in trees for g in gammas if g < t]
+    if history:
+        if "ngram" not in proposers:
+            raise BenchError("--history is a prompt lookup option: add ngram to --proposers")
+        configs += [Config(f"{c.name} history", c.proposer, c.gamma, c.tree, True) for c in configs
+                    if c.proposer == "ngram"]
     return configs
 
 
@@ -228,8 +240,10 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
               max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
               kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
               peer_model: str | None = None, adaptive: bool = True, trees: list[int] = (),
-              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> dict:
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+              history: bool = False) -> dict:
     from ..runtime.generator import Generator
+    from ..runtime.output_history import OutputHistory
     from ..runtime.sampling import SamplingParams
     from ..runtime.stats import Stats
 
@@ -256,15 +270,19 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     missing = sorted(set(trees) - set(gen.manifest.target.tree_tokens()))
     if missing:
         raise BenchError(f"--trees {missing[0]}: the bundle has no such tree graph (export with --tree)")
-    configs = configs_for(proposers, gammas, gen.draft is not None, trees)
+    configs = configs_for(proposers, gammas, gen.draft is not None, trees, history)
     peers = _load_peers(compare or [], gen, bundle, threads, peer_model)
     for peer in peers.values():
         configs += [Config(f"{peer.name} {c}", peer=peer.name, peer_config=c) for c in peer.configs]
     ids = {p["id"]: (gen.tokenizer.apply_chat_template(p["messages"]) if "messages" in p
                      else gen.tokenizer.encode(p["prompt"])) for p in prompts}
 
-    def run_once(c: Config, prompt: dict, n: int, seed: int = seed) -> Run:
+    earlier: list[list[int]] = []  # with --history: the outputs of the prompts run so far, in order
+
+    def run_once(c: Config, prompt: dict, n: int, seed: int = seed, before: int = 0) -> Run:
         pid = ids[prompt["id"]]
+        # a fresh history of the first `before` prompts' outputs per run: no run sees its own prompt's output
+        gen.output_history = OutputHistory.of(earlier[:before]) if c.history else None
         if c.peer:
             out = peers[c.peer].generate(pid, n, c.peer_config)
             return Run(c.name, prompt["id"], prompt["kind"], len(pid), list(out.tokens), out.total_s * 1e3,
@@ -287,12 +305,15 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
         for r in range(repeats):
             for i, prompt in enumerate(prompts):
                 for c in configs:
-                    runs.append(run_once(c, prompt, max_new_tokens, seed + 1000 * r + i))
+                    runs.append(run_once(c, prompt, max_new_tokens, seed + 1000 * r + i, i))
                     bar.update(f"{prompt['id']} {c.name}")
+                if r == 0:
+                    earlier.append(runs[-len(configs)].tokens)  # plain decode's (configs[0] is "none")
     finally:
         bar.close()
     rows = summarize(runs, configs, sampled)
     memory = memory_report(gen, rss_reset and not peers)
+    gen.output_history = None
     return {"bundle": os.path.abspath(bundle), "prompts": prompts_path, "repeats": repeats, "memory": memory,
             "max_new_tokens": max_new_tokens, "threads": threads, "backend": backend, "adaptive": adaptive,
             "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
