@@ -463,7 +463,7 @@ def _add_serve(sub) -> None:
                    help="memory for cached conversations (prefix reuse across requests, default 256 MB)")
     p.add_argument("--history-tokens", type=int, default=0, metavar="N",
                    help="prompt lookup (ngram) also drafts from the last N tokens of earlier completions, any "
-                   "client's (default 0: off). Output is unchanged; a request's speed then depends on what others "
+                   "client's (default 0: off). Greedy output is unchanged; a request's speed then depends on what others "
                    "were answered")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")

@@ -186,7 +186,7 @@ def test_the_loop_rolls_back_rejected_drafts(runtime, prompt, wrong):
     new = 24
     reference = g.generate(prompt, new + 10, proposer="none", stop_ids=[]).tokens
     scripted = ScriptedProposer(len(prompt), reference, wrong, g.target.dims.vocab_size)
-    g._proposer = lambda name, ngram: scripted
+    g._proposer = lambda name, ngram, adaptive=True: scripted
     try:
         rounds = list(g.stream(prompt, new, proposer="ngram", gamma=8, stop_ids=[], adaptive=False))
     finally:

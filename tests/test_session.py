@@ -97,7 +97,7 @@ def test_a_cut_round_and_an_abandoned_stream_leave_a_reusable_cache(gens):
     session = Session(gen)
     prompt = prompt_of(30, seed=5)
     reference = fresh(gen, prompt, proposer="none").tokens
-    gen._proposer = lambda name, ngram: OracleProposer(len(prompt), reference)
+    gen._proposer = lambda name, ngram, adaptive=True: OracleProposer(len(prompt), reference)
     try:
         r1 = session.generate(prompt, max_new_tokens=5, proposer="ngram", gamma=8, stop_ids=[], adaptive=False)
     finally:

@@ -162,7 +162,7 @@ def test_an_accepted_leaf_is_committed_at_its_depth(tree_gens, wrong):
     prompt = prompt_of(21, seed=9)
     reference = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
     script = TreeScript(len(prompt), reference, wrong, g.target.dims.vocab_size)
-    g._proposer = lambda name, ngram: script
+    g._proposer = lambda name, ngram, adaptive=True: script
     try:
         out = g.generate(prompt, NEW, proposer="ngram", gamma=8, tree=16, stop_ids=[], adaptive=False)
     finally:
@@ -223,7 +223,7 @@ def test_min_new_tokens_holds_an_accepted_leafs_row_back_at_its_depth(tree_gens)
     reference = g.generate(prompt, NEW, proposer="none", stop_ids=[held], min_new_tokens=min_new).tokens
     assert reference[1] != held
     script = TreeScript(len(prompt), reference, 0, g.target.dims.vocab_size)
-    g._proposer = lambda name, ngram: script
+    g._proposer = lambda name, ngram, adaptive=True: script
     try:
         out = g.generate(prompt, NEW, proposer="ngram", gamma=8, tree=16, stop_ids=[held], min_new_tokens=min_new,
                          adaptive=False)
