@@ -1,4 +1,4 @@
-"""Prompt lookup with an output history (runtime/output_history.py) on the short edits, three ways of filling
+"""Prompt lookup with an output history (runtime/output_history.py) on the short edits, four ways of filling
 the history, interleaved per prompt in one process (every output checked against plain decode).
 
     python benchmarks/ngram/history.py BUNDLE [--gamma 8]
@@ -9,8 +9,9 @@ history holding
   * "earlier": the short edits before this one (what `specedge bench --history` measures: a server that
     answered them first);
   * "suite": the 37 suite prompts' outputs (other tasks than this file's);
-  * "others": the suite's and the other 15 short edits' outputs (a server that has answered everything else).
-A prompt's own output is never in its history. 128 new tokens, EOS held back, 2 threads."""
+  * "others": the suite's and the other 15 short edits' outputs (a server that has answered everything else);
+  * "a retry": all of them, this prompt's own output included (the same request asked again).
+Only the last puts a prompt's own output in its history. 128 new tokens, EOS held back, 2 threads."""
 import argparse
 import json
 
@@ -54,6 +55,7 @@ VARIANTS = {
     "+ history: earlier": lambda i: ("ngram", OutputHistory.of(edit_out[:i])),
     "+ history: suite": lambda i: ("ngram", OutputHistory.of(suite_out)),
     "+ history: others": lambda i: ("ngram", OutputHistory.of(suite_out + edit_out[:i] + edit_out[i + 1:])),
+    "+ history: a retry": lambda i: ("ngram", OutputHistory.of(suite_out + edit_out)),
 }
 if a.n_min != DEFAULT_N_MIN:
     VARIANTS.update({
