@@ -18,6 +18,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import GenerationError
+from .sampling import is_int
 
 SEP = -1  # between outputs; equal to no token, so no match and no continuation crosses it
 KEY_BASE = 1 << 32  # bigram key = first * KEY_BASE + second (token ids are below 2**32)
@@ -30,7 +31,7 @@ HISTORY_N_MIN = 3
 
 def output_history(history_tokens: int) -> "OutputHistory | None":
     """The history a generator keeps when asked for `history_tokens` (0: none)."""
-    if not isinstance(history_tokens, int) or isinstance(history_tokens, bool) or history_tokens < 0:
+    if not is_int(history_tokens) or history_tokens < 0:
         raise GenerationError(f"history tokens must be an int >= 0 (0 = off), not {history_tokens!r}")
     return OutputHistory(history_tokens) if history_tokens else None
 
@@ -39,7 +40,7 @@ class OutputHistory:
     """The most recent outputs, up to max_tokens tokens in all (the oldest whole outputs go first)."""
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"the output history needs a positive number of tokens, not {max_tokens!r}")
         self.max_tokens = max_tokens
         self._outputs: deque[np.ndarray] = deque()

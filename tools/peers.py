@@ -430,7 +430,6 @@ def load_llama_cpp(gguf_path: str, threads: int, n_ctx: int = 2048, **kwargs):
     return load(n_ctx=n_ctx, **kwargs)
 
 
-
 def check_llama_cpp_kernels(load) -> None:
     """A prompt evaluated in one batch must predict what it predicts one token at a time. llama.cpp's AMX
     kernels (built by default on CPUs that have AMX, such as recent Xeons) computed Q4_0/Q4_1 batches wrongly
