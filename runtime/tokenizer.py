@@ -103,20 +103,3 @@ def _byte_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_alphabet()
-
-
-class StreamDecoder:
-    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.printed = text[self.printed:], len(text)
-        return new

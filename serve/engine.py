@@ -29,7 +29,7 @@ from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
 from .metrics import Metrics
 from .protocol import CompletionRequest, RequestError
-from .text_stream import TextStream
+from ..runtime.text_stream import TextStream
 
 
 @dataclass

@@ -312,7 +312,7 @@ def _run_generate(a) -> int:
     if a.prompts:
         return _run_generate_batch(a)
     from .runtime.stats import Stats
-    from .runtime.tokenizer import StreamDecoder
+    from .runtime.text_stream import TextStream
 
     gen = Generator.load(a.bundle, backend=a.backend, threads=a.threads)
     ids = _prompt_ids(gen, a)
@@ -327,7 +327,7 @@ def _run_generate(a) -> int:
         entries = []
         kwargs.update(logprobs=a.logprobs, logprobs_out=entries)
     tokens: list[int] = []
-    decoder = StreamDecoder(gen.tokenizer) if gen.tokenizer and not a.json else None
+    decoder = TextStream(gen.tokenizer.decode, []) if gen.tokenizer and not a.json else None
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):
         tokens += new
         if decoder:
@@ -336,6 +336,8 @@ def _run_generate(a) -> int:
         elif not a.json:
             sys.stdout.write(" ".join(map(str, new)) + " ")
             sys.stdout.flush()
+    if decoder:
+        sys.stdout.write(decoder.flush())  # a last character left incomplete is written as "\ufffd"
     if session:
         session.save(a.session)
     if a.json:

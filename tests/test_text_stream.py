@@ -1,5 +1,7 @@
-"""The server's incremental detokenizer (serve/text_stream.py) against the oracle: the tokenizer's decode of all
-ids, cut at the first stop string. Tokens arrive in rounds of 1 to 9, as speculative rounds commit them."""
+"""The incremental detokenizer (runtime/text_stream.py; the server, `specedge generate` and the demo stream text
+with it) against the oracle: the tokenizer's decode of all ids, cut at the first stop string. Tokens arrive in
+rounds of 1 to 9, as speculative rounds commit them."""
+import json
 import random
 
 import pytest
@@ -7,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from specedge.runtime.tokenizer import Tokenizer
-from specedge.serve.text_stream import TextStream
+from specedge.runtime.text_stream import TextStream
 
 TEXT = ("def total(items):\n    \"\"\"Sum the prices — naïve, in €.\"\"\"\n    return sum(i.price for i in items)\n\n"
         "Café au lait, 東京 and 🙂 done.  Two  spaces, a\ttab, <tag> and the end.\n") * 4
@@ -118,7 +120,7 @@ def test_random_ids_including_broken_characters_stream_as_decoding_everything_do
     """Ids a model could emit in any order: lone continuation bytes, characters cut short, special tokens.
     (Byte-level text, once whole, never changes. SentencePiece's byte fallback turns a run of byte tokens that
     is not UTF-8 into one "\ufffd" per byte, so there a broken run that starts before the window may show a
-    different number of "\ufffd" than decoding everything would: serve/text_stream.py.)"""
+    different number of "\ufffd" than decoding everything would: runtime/text_stream.py.)"""
     tok = byte_level(tmp_path)
     vocab = tok._tok.get_vocab_size()
     for seed in range(30):
@@ -171,3 +173,14 @@ def test_smollm2_tokenizer_streams_its_quality_text_exactly(smollm2_path, tmp_pa
     for stop in ([], ["sum("], ["🙂"]):
         _, pieces = stream(tok, ids, stop, seed=1)
         assert "".join(pieces) == expected_text(tok, ids, stop)
+
+
+def test_generate_streams_the_text_its_json_reports(tiny_bundle, capsys):
+    from specedge.cli import main
+
+    args = ["generate", tiny_bundle, "--prompt-ids", "5,6,7,5,6", "--max-new-tokens", "24", "--proposer", "ngram"]
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    streamed = capsys.readouterr().out
+    assert len(report["tokens"]) == 24 and streamed == report["text"] + "\n"

@@ -84,7 +84,7 @@ def run_demo(max_new_tokens: int = 128, proposer: str = DEMO_PROPOSER, gamma: in
              threads: int | None = None, prompt: str | None = None) -> int:
     from ..runtime.generator import Generator
     from ..runtime.stats import Stats
-    from ..runtime.tokenizer import StreamDecoder
+    from ..runtime.text_stream import TextStream
 
     bundle = demo_bundle()
     gen = Generator.load(bundle, threads=threads)
@@ -98,12 +98,12 @@ def run_demo(max_new_tokens: int = 128, proposer: str = DEMO_PROPOSER, gamma: in
     results = {}
     for label, name, g in (("plain decode", "none", 0), (f"speculative ({proposer}, gamma {gamma})", proposer, gamma)):
         print(f"--- {label} ---")
-        stats, tokens, decoder = Stats(), [], StreamDecoder(gen.tokenizer)
+        stats, tokens, decoder = Stats(), [], TextStream(gen.tokenizer.decode, [])
         for new in gen.stream(ids, max_new_tokens, proposer=name, gamma=g or 4, stats=stats):
             tokens += new
             sys.stdout.write(decoder.push(new))
             sys.stdout.flush()
-        print("\n")
+        print(decoder.flush() + "\n")
         results[label] = (stats, tokens)
     (base, base_tokens), (spec, spec_tokens) = results.values()
     rows = [("tokens/s (end to end)", f"{base.tokens_per_s:.1f}", f"{spec.tokens_per_s:.1f}"),
