@@ -68,6 +68,16 @@ def tiny_pair_bundle(tiny_models, tiny_near_draft_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def qnn_cache(tmp_path, monkeypatch):
+    """Every test compiles into its own cache: context binaries never leak between tests or into ~/.cache
+    (the QNN test modules use it for every test)."""
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECEDGE_QNN_CPU_FALLBACK", raising=False)
+    monkeypatch.delenv("SPECEDGE_QNN_CACHE", raising=False)
+    return tmp_path / "cache" / "qnn"
+
+
 @pytest.fixture(scope="module")
 def gen(tiny_bundle):
     """A Generator on tiny_bundle, per test module."""

@@ -31,13 +31,7 @@ LOGITS_ATOL = 1e-2
 NEW = 24
 
 
-@pytest.fixture(autouse=True)
-def qnn_cache(tmp_path, monkeypatch):
-    """Every test compiles into its own cache: context binaries never leak between tests or into ~/.cache."""
-    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("SPECEDGE_QNN_CPU_FALLBACK", raising=False)
-    monkeypatch.delenv("SPECEDGE_QNN_CACHE", raising=False)
-    return tmp_path / "cache" / "qnn"
+pytestmark = pytest.mark.usefixtures("qnn_cache")
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import CHUNK
-from test_qnn import (_backend_for, assert_speculation_equals_plain_on_qnn, cpu_gen, qnn_cache,  # noqa: F401
-                      teacher_forced)  # (fixtures: qnn_cache is autouse, cpu_gen the CPU float32 reference)
+from test_qnn import _backend_for, assert_speculation_equals_plain_on_qnn, teacher_forced
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -28,6 +27,8 @@ from specedge.runtime.generator import Generator
 # see export/qdq.py). About twice the measured error, still far below the spread of the logits.
 QDQ_LOGITS_ATOL = 0.02
 TREES = (5, 8)  # tree graphs of the qdq bundle
+
+pytestmark = pytest.mark.usefixtures("qnn_cache")
 
 
 @pytest.fixture(scope="module")
@@ -183,19 +184,20 @@ def test_every_node_of_every_graph_runs_on_qnn(qdq_bundle):
         backend.close()
 
 
-def test_logits_close_to_cpu_float32(qdq_bundle, cpu_gen):
-    """Teacher-forced through the runtime, one-token and five-token steps, against the CPU float32 bundle."""
-    gen = Generator.load(qdq_bundle, backend="qnn")
+def test_logits_close_to_cpu_float32(qdq_bundle, gen):
+    """Teacher-forced through the runtime, one-token and five-token steps, against the CPU float32 bundle
+    (`gen`, conftest's Generator on the tiny float32 bundle)."""
+    qnn_gen = Generator.load(qdq_bundle, backend="qnn")
     try:
-        worst, agree, rows, margin = teacher_forced(gen, cpu_gen)
+        worst, agree, rows, margin = teacher_forced(qnn_gen, gen)
         print(f"tiny qnn-qdq16 on QNN vs CPU float32: max |logit error| {worst:.4f}, top-1 {agree}/{rows}, "
               f"widest margin of a disagreeing row {margin:.4f}", file=sys.stderr)
         assert worst <= QDQ_LOGITS_ATOL, worst
         # A flipped argmax only where float32's own top two are within the two logits' errors: a near tie.
         assert agree >= rows - 1 and margin <= 2 * worst, (agree, rows, margin)
-        assert all(r.all_on_qnn for r in gen.backend.loads)
+        assert all(r.all_on_qnn for r in qnn_gen.backend.loads)
     finally:
-        gen.close()
+        qnn_gen.close()
 
 
 def test_greedy_speculative_equals_plain_greedy_on_qnn(qdq_bundle):
