@@ -57,7 +57,8 @@ class Metrics:
             lines.append(f"# TYPE specedge_{name} {kind}")
             lines.extend(f"specedge_{name}{labels} {value:g}" for labels, value in samples)
 
-        metric("requests_total", "counter", "Requests by outcome.",
+        metric("requests_total", "counter", "Requests by outcome: ok, error and cancelled count sequences (each of a "
+               "request's n choices), invalid and rejected count HTTP requests (refused before any sequence ran).",
                [(f'{{status="{k}"}}', v) for k, v in self.requests.items()])
         metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [("", self.prompt_tokens)])
         metric("reused_prompt_tokens_total", "counter", "Prompt tokens served from a cached prefix.",
@@ -75,7 +76,7 @@ class Metrics:
                [("", self.ttft_sum)])
         metric("request_latency_seconds_sum", "counter", "Sum of request latency (from submission).",
                [("", self.latency_sum)])
-        metric("requests_finished", "counter", "Requests that finished (the _sum metrics' count).", [("", done)])
-        metric("queue_depth", "gauge", "Requests waiting to run.", [("", max(0, queue_depth - self.running))])
-        metric("requests_running", "gauge", "Requests running now.", [("", self.running)])
+        metric("requests_finished", "counter", "Sequences that finished (the _sum metrics' count).", [("", done)])
+        metric("queue_depth", "gauge", "Sequences waiting to run.", [("", max(0, queue_depth - self.running))])
+        metric("requests_running", "gauge", "Sequences running now.", [("", self.running)])
         return "\n".join(lines) + "\n"
