@@ -52,6 +52,8 @@ from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
+from .stop_strings import cut_round, stop_strings_for
+from .text_stream import TextStream
 from .tokenizer import Tokenizer
 
 
@@ -77,6 +79,7 @@ class Row:
     min_new_tokens: int = 0  # the stop ids are held back until the output has this many tokens
     penalty: PenaltyState | None = None  # logit bias, repetition / presence / frequency penalties (None: off)
     logprobs: int | None = None  # alternatives per token when the row reports logprobs (None: off)
+    stop_strings: TextStream | None = None  # the row's text, watched for its stop strings (None: none)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)
     # a draft model with a cache of its own (proposers.DraftModelProposer's state, per row)
     draft_prefill: list[int] = field(default_factory=list)  # prompt tokens its cache still lacks
@@ -132,8 +135,10 @@ class BatchRunner:
               stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True,
               min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
               frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None,
-              logit_bias: dict[int, float] | None = None) -> Row:
-        """Start a sequence in free row b, keeping what the row's cache already holds of its prompt."""
+              logit_bias: dict[int, float] | None = None, stop_strings: TextStream | None = None) -> Row:
+        """Start a sequence in free row b, keeping what the row's cache already holds of its prompt.
+        `stop_strings`: a fresh TextStream that watches this sequence for its stop strings
+        (stop_strings.stop_strings_for), or None."""
         prompt = token_ids(prompt)
         params, penalties = self.check([prompt], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
                                        repetition_penalty, presence_penalty, frequency_penalty, min_p, logit_bias)
@@ -156,7 +161,7 @@ class BatchRunner:
                   set(self.eos_ids if stop_ids is None else stop_ids), ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
                   Sampler(params, rng, self.target.dims.vocab_size, penalty), prompt[keep:-1], list(prompt),
-                  min_new_tokens=min_new_tokens, penalty=penalty, logprobs=logprobs)
+                  min_new_tokens=min_new_tokens, penalty=penalty, logprobs=logprobs, stop_strings=stop_strings)
         if self.own_draft_cache and proposer == "draft":
             keep = common_prefix(self.draft_history[b], prompt[:-1])
             self.draft.cache.set_row_length(b, keep)
@@ -326,16 +331,10 @@ class BatchRunner:
             if self.own_draft_cache and row.proposer == "draft":
                 self._commit_draft_model_row(b, d, accepted)
             row.length.update(len(d), accepted)
-            new = d[:accepted] + [int(token)]
-            for i, t in enumerate(new):
-                if t in row.stop:
-                    new = new[: i + 1]
-                    self.finish(b, "stop")
-                    break
-                if len(row.output) + i + 1 >= row.max_new_tokens:
-                    new = new[: i + 1]
-                    self.finish(b, "max_new_tokens")
-                    break
+            new, reason = cut_round(d[:accepted] + [int(token)], len(row.output), row.max_new_tokens, row.stop,
+                                    row.stop_strings)
+            if reason:
+                self.finish(b, reason)
             row.context += new
             row.output += new
             if row.penalty is not None:
@@ -463,13 +462,15 @@ class BatchGenerator:
                        adaptive: bool = True, min_new_tokens: int = 0, repetition_penalty: float = 1.0,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                        min_p: float = 0.0, logprobs: int | None = None,
-                       logit_bias: dict[int, float] | None = None) -> list[GenerationResult]:
+                       logit_bias: dict[int, float] | None = None,
+                       stop: str | list[str] | None = None) -> list[GenerationResult]:
         """Generate for any number of prompts through the bundle's B rows; returns one GenerationResult per
         prompt, in order. Up to B run at once, and the next prompt takes a row as soon as one finishes
         (continuous batching), so the verify steps stay full while the sequences end at different rounds.
         A newcomer goes to the free row whose cache holds the longest prefix of it (a shared system prompt is
         prefilled once per row) and is prefilled before the next decode step: every step then carries as many
-        rows as it can. Prompt i samples with seed + i."""
+        rows as it can. Prompt i samples with seed + i. `stop`: strings that end each output, as in
+        Generator.stream (a result's text is its text before the string)."""
         if not prompts:
             raise GenerationError("no prompts")
         prompts = [token_ids(p, f" {i}") for i, p in enumerate(prompts)]
@@ -480,6 +481,7 @@ class BatchGenerator:
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         check_logprobs(logprobs)
+        stop_strings_for(self.tokenizer, stop)  # refused before any row runs
         runner.history = [[] for _ in range(self.batch)]  # a batch starts from empty caches
         self.target.reset()
         waiting = list(range(len(prompts)))
@@ -490,14 +492,17 @@ class BatchGenerator:
                 i = waiting.pop(0)
                 runner.admit(b, prompts[i], max_new_tokens, proposer, gamma, temperature, top_k, top_p,
                              None if seed is None else seed + i, stop_ids, ngram, adaptive, min_new_tokens,
-                             logprobs=logprobs, **more)
+                             logprobs=logprobs, **more,
+                             stop_strings=stop_strings_for(self.tokenizer, stop, min_new_tokens))
                 running[b] = i
             while runner.prefill_step():
                 pass
             runner.decode_step(closed=not waiting)
             for b in [b for b in running if runner.rows[b].reason]:
                 r = runner.release(b)
-                results[running.pop(b)] = GenerationResult(
-                    r.prompt, r.output, r.stats, self.tokenizer.decode(r.output) if self.tokenizer else None,
-                    r.token_logprobs if logprobs is not None else None)
+                text = self.tokenizer.decode(r.output) if self.tokenizer else None
+                if r.stop_strings is not None and r.stop_strings.stopped:
+                    text = r.stop_strings.text  # the text before the stop string
+                results[running.pop(b)] = GenerationResult(r.prompt, r.output, r.stats, text,
+                                                           r.token_logprobs if logprobs is not None else None)
         return results

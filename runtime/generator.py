@@ -36,6 +36,8 @@ from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, hold_back, is_int, probs_from_logits
 from .stats import Stats
+from .stop_strings import cut_round, stop_strings_for
+from .text_stream import TextStream
 from .tokenizer import Tokenizer
 
 PROPOSERS = ("draft", "ngram", "none")
@@ -169,7 +171,8 @@ class Generator:
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                min_p: float = 0.0, logprobs: int | None = None,
                logprobs_out: list[TokenLogprob] | None = None,
-               logit_bias: dict[int, float] | None = None) -> Iterator[list[int]]:
+               logit_bias: dict[int, float] | None = None,
+               stop: str | list[str] | TextStream | None = None) -> Iterator[list[int]]:
         """Yield the tokens each round commits (after stop/limit cuts). Fills `stats` if given.
 
         `tree` T > 0 verifies token trees of up to T-1 nodes in the bundle's tree graph T (export --tree): the
@@ -192,7 +195,14 @@ class Generator:
 
         `logprobs` N (0..20): append each committed token's TokenLogprob (its log-probability and the N most
         likely tokens', from the raw row that chose it: runtime/logprobs.py) to `logprobs_out`, a round's
-        entries before its tokens are yielded."""
+        entries before its tokens are yielded.
+
+        `stop`: strings that end the output where its text first contains one (OpenAI's `stop`; needs the
+        bundle's tokenizer), after the token that completes it, as plain decode would end it: a speculative
+        round's tokens past it are dropped (runtime/stop_strings.py). As stop ids are held back, a stop string
+        counts only when completed by a token after the first min_new_tokens. `generate` returns the text before
+        the string. A TextStream passed as `stop` (runtime/text_stream.py) is fed every token and shows the
+        caller the text as it grows."""
         try:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
             penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
@@ -207,6 +217,8 @@ class Generator:
         check_logprobs(logprobs)
         if logprobs is not None and not isinstance(logprobs_out, list):
             raise GenerationError("logprobs needs logprobs_out, a list to append each token's logprobs to")
+        # a TextStream given as `stop` (generate, the CLI) is the caller's view of the output's text
+        stop_strings = stop if isinstance(stop, TextStream) else stop_strings_for(self.tokenizer, stop, min_new_tokens)
         stop = set(self.eos_ids if stop_ids is None else stop_ids)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
@@ -274,14 +286,7 @@ class Generator:
                         proposal, context[-1], base, params, sampler, drafter, length, stats, hold, penalty,
                         keep_raw=logprobs is not None)
                     t2 = time.perf_counter()
-                new = accepted + [int(next_token)]
-                for i, token in enumerate(new):  # cut at a stop token (kept) or the token limit
-                    if token in stop:
-                        new, reason = new[: i + 1], "stop"
-                        break
-                    if emitted + i + 1 >= max_new_tokens:
-                        new, reason = new[: i + 1], "max_new_tokens"
-                        break
+                new, reason = cut_round(accepted + [int(next_token)], emitted, max_new_tokens, stop, stop_strings)
                 if tree and k:  # what this kind of round was worth (proposing and verifying)
                     choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new
@@ -355,17 +360,21 @@ class Generator:
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,
                  min_new_tokens: int = 0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, min_p: float = 0.0, logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
+                 logit_bias: dict[int, float] | None = None, stop: str | list[str] | None = None) -> GenerationResult:
         stats = Stats()
+        stop_strings = stop_strings_for(self.tokenizer, stop, min_new_tokens)
         tokens: list[int] = []
         entries: list[TokenLogprob] | None = [] if logprobs is not None else None
         for new in self.stream(prompt_ids, max_new_tokens, proposer, gamma, temperature, top_k, top_p, seed,
                                stop_ids, stats=stats, ngram=ngram, adaptive=adaptive, reuse=reuse, tree=tree,
                                min_new_tokens=min_new_tokens, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                               min_p=min_p, logprobs=logprobs, logprobs_out=entries, logit_bias=logit_bias):
+                               min_p=min_p, logprobs=logprobs, logprobs_out=entries, logit_bias=logit_bias,
+                               stop=stop_strings):
             tokens += new
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
+        if stop_strings is not None and stop_strings.stopped:
+            text = stop_strings.text  # the text before the stop string
         return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text, entries)
 
 

@@ -12,27 +12,39 @@ falls back to decoding everything. One difference remains, in text that is broke
 fallback decodes a run of byte tokens that is not UTF-8 as one "\ufffd" per byte, and a run that starts
 before the window is seen only in part, so a different number of "\ufffd" may stand for it.
 
-An increment is released only when it cannot become part of a stop string: the longest tail that is a prefix
-of some stop string is held back until the next tokens settle it.
+Tokens are taken one at a time, as plain decode commits them, so what is released and where a stop string is
+found do not depend on how many tokens a speculative round commits at once. After each token whose text is
+whole (not ending in an incomplete UTF-8 character) the new text is searched for the stop strings; as in
+vLLM, a stop string counts only once the output has more than `min_tokens` tokens (the stop ids are held
+back as long), and a match that ended before that is passed over for good. Text is released only when it
+cannot become part of a stop string: the longest tail that is a prefix of one is held back until the next
+tokens settle it. The runtime ends an output at the token that completes a stop string
+(runtime/stop_strings.py); the server and the CLI stream the text with the same rules.
 """
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, decode, stop: list[str]):
-        self._decode, self._stop = decode, stop
+    def __init__(self, decode, stop: list[str], min_tokens: int = 0):
+        self._decode, self._stop, self._min_tokens = decode, stop, min_tokens
         self.ids: list[int] = []
         self._text = ""  # the text of ids[:_read], whole (no incomplete character at its end)
         self._prefix = self._read = 0  # the window: ids[_prefix:], of which ids[_prefix:_read] are settled
         self._settled_text = ""  # decode(ids[_prefix:_read]) on its own
         self._last = (0, 0, "", 0)  # (_prefix, _read, _settled_text, len(_text)) before the last push
+        self._searched = 0  # characters of _text searched for stop strings
         self._sent = 0  # characters released
         self.stopped = False  # a stop string was found: the text is final, generation can end
 
     def push(self, ids: list[int]) -> str:
-        """Add tokens; return the text that is now safe to send."""
+        """Add tokens; return the text that is now safe to send (nothing more once stopped)."""
         self._last = (self._prefix, self._read, self._settled_text, len(self._text))
-        self.ids += ids
+        return "".join(self._push_one(int(t)) for t in ids)
+
+    def _push_one(self, token: int) -> str:
+        self.ids.append(token)
+        if self.stopped:
+            return ""
         window = self._decode(self.ids[self._prefix:])
         if window.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
             return ""
@@ -43,11 +55,11 @@ class TextStream:
             self._last = (0, 0, "", 0)  # starts() decodes from the beginning too
         self._prefix, self._read = self._read, len(self.ids)
         self._settled_text = self._decode(self.ids[self._prefix:self._read])
-        cut = self._first_stop(self._text)
+        cut = self._new_stop()
         if cut is not None:
             self.stopped = True
             return self._release(self._text, cut)
-        return self._release(self._text, len(self._text) - self._held_back(self._text))
+        return self._release(self._text, len(self._text) - held_back(self._text, self._stop))
 
     def flush(self) -> str:
         """The end of generation: everything not yet sent (no stop string can complete any more)."""
@@ -84,18 +96,20 @@ class TextStream:
         out, self._sent = text[self._sent:end], end
         return out
 
-    def _first_stop(self, text: str) -> int | None:
-        # Search from a little before what was sent: a stop string may straddle the boundary.
-        start = max(0, self._sent - max((len(s) for s in self._stop), default=0))
-        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+    def _new_stop(self) -> int | None:
+        """Where the first stop string that ends in the text added since the last search starts (None: none, or
+        the output is too short for one to count)."""
+        hits = [i for i in (self._text.find(s, max(0, self._searched - len(s) + 1)) for s in self._stop) if i >= 0]
+        self._searched = len(self._text)
+        return min(hits) if hits and len(self.ids) > self._min_tokens else None
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of text that starts some stop string."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if s.startswith(text[-n:]):
-                    best = n
-                    break
-        return best
+
+def held_back(text: str, stop: list[str]) -> int:
+    """Length of the longest tail of text that starts some stop string (it may yet become one)."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

@@ -27,9 +27,10 @@ from ..runtime.generator import Generator, check_speculation
 from ..runtime.logprobs import TokenLogprob
 from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
+from ..runtime.stop_strings import stop_strings_for
+from ..runtime.text_stream import TextStream
 from .metrics import Metrics
 from .protocol import CompletionRequest, RequestError
-from ..runtime.text_stream import TextStream
 
 
 @dataclass
@@ -158,7 +159,9 @@ class Engine:
     def _text(self, req: CompletionRequest) -> TextStream:
         tok = self.gen.tokenizer
         # a bundle without a tokenizer answers in token ids, "5 6 7 "
-        return TextStream(tok.decode, req.stop) if tok else TextStream(lambda ids: "".join(f"{i} " for i in ids), [])
+        if tok is None:
+            return TextStream(lambda ids: "".join(f"{i} " for i in ids), [])
+        return TextStream(tok.decode, req.stop, req.min_tokens)  # the rules the runtime ends the output by
 
     def _token_text(self, token: int) -> tuple[str, list[int] | None]:
         """A token's text and its bytes (a token holding part of a UTF-8 character has bytes but no text of its
@@ -244,7 +247,7 @@ class SerialEngine(Engine):
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
                                  top_p=req.top_p, seed=req.seed, stop_ids=self.stop_ids(req), stats=stats, reuse=True,
                                  min_new_tokens=req.min_tokens, logprobs=req.logprobs, logprobs_out=entries,
-                                 **req.extra_sampling())
+                                 stop=req.stop if self.gen.tokenizer else None, **req.extra_sampling())
         try:
             for new in rounds:
                 if self._emit(job, text, new, None if entries is None else entries[-len(new):]) \
@@ -311,8 +314,9 @@ class BatchEngine(Engine):
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
                              req.temperature, req.top_k, req.top_p, req.seed, self.stop_ids(req),
-                             min_new_tokens=req.min_tokens,
-                             logprobs=req.logprobs, **req.extra_sampling())
+                             min_new_tokens=req.min_tokens, logprobs=req.logprobs, **req.extra_sampling(),
+                             stop_strings=stop_strings_for(self.gen.tokenizer, req.stop, req.min_tokens)
+                             if self.gen.tokenizer else None)
             except SpecedgeError as e:
                 self.metrics.count_request("error")
                 job.publish(Event("error", text=str(e), status=400))

@@ -194,6 +194,9 @@ def _add_generate(sub) -> None:
                    "holds is not prefilled again (pass the whole conversation as the prompt each time); FILE is "
                    "created or updated after the run")
     _add_sampling(p)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the output where its text first contains TEXT, which is left out of the text (OpenAI's "
+                   "stop; repeat for several). Speculation stays exact: a round's tokens past it are dropped")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--history-tokens", type=int, default=0, metavar="N",
                    help="with --prompts: prompt lookup also drafts from the last N tokens of the outputs finished "
@@ -275,7 +278,7 @@ def _run_generate_batch(a) -> int:
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                      seed=a.seed, min_new_tokens=a.min_new_tokens, logprobs=a.logprobs,
-                                     **_extra_sampling(a))
+                                     stop=a.stop, **_extra_sampling(a))
     finally:
         gen.close()
     for i, r in enumerate(results):
@@ -312,6 +315,7 @@ def _run_generate(a) -> int:
     if a.prompts:
         return _run_generate_batch(a)
     from .runtime.stats import Stats
+    from .runtime.stop_strings import stop_strings_for
     from .runtime.text_stream import TextStream
 
     gen = Generator.load(a.bundle, backend=a.backend, threads=a.threads)
@@ -326,26 +330,31 @@ def _run_generate(a) -> int:
     if a.logprobs is not None:
         entries = []
         kwargs.update(logprobs=a.logprobs, logprobs_out=entries)
+    # the output's text as the runtime feeds it, which also ends the output at a --stop string (None: no
+    # tokenizer, the ids are printed)
+    text = stop_strings_for(gen.tokenizer, a.stop, a.min_new_tokens) or (
+        TextStream(gen.tokenizer.decode, []) if gen.tokenizer else None)
+    kwargs.update(stop=text)
     tokens: list[int] = []
-    decoder = TextStream(gen.tokenizer.decode, []) if gen.tokenizer and not a.json else None
+    printed = 0
     for new in (session.stream(ids, **kwargs) if session else gen.stream(ids, **kwargs)):
         tokens += new
-        if decoder:
-            sys.stdout.write(decoder.push(new))
-            sys.stdout.flush()
-        elif not a.json:
-            sys.stdout.write(" ".join(map(str, new)) + " ")
-            sys.stdout.flush()
-    if decoder:
-        sys.stdout.write(decoder.flush())  # a last character left incomplete is written as "\ufffd"
+        if a.json:
+            continue
+        piece = text.text[printed:] if text else " ".join(map(str, new)) + " "
+        printed += len(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    if text:
+        text.flush()  # what was held back; a last character left incomplete ends in "\ufffd"
+    final = text.text if text else None
     if session:
         session.save(a.session)
     if a.json:
-        text = gen.tokenizer.decode(tokens) if gen.tokenizer else None
-        print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "stats": stats.to_json(),
+        print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": final, "stats": stats.to_json(),
                           **_logprobs_json(entries)}))
     else:
-        print()
+        print(final[printed:] if final is not None else "")
         print(stats.summary(), file=sys.stderr)
     return 0
 

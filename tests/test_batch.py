@@ -472,3 +472,20 @@ def test_rows_with_penalties_equal_their_batch_1_output(gens):
         g3.generate_batch(PROMPTS, NEW, repetition_penalty=-1.0)
     with pytest.raises(GenerationError, match="logit_bias token 1000000 is outside the vocabulary"):
         g3.generate_batch(PROMPTS, NEW, logit_bias={10**6: 1.0})
+
+
+def test_rows_end_at_their_stop_strings_as_batch_1_does(gens):
+    """Every row cut after the token that completes its first stop string (each row's own output holds one),
+    with the same tokens and text as batch 1; the other rows go on."""
+    g1, g3 = gens
+    free = [g1.generate(p, NEW, proposer="none", stop_ids=[]).tokens for p in PROMPTS]
+    decode = g1.tokenizer.decode
+    stop = [decode(free[0][6:8]), decode(free[2][20:22])]
+    results = g3.generate_batch(PROMPTS, NEW, proposer="ngram", gamma=4, stop_ids=[], adaptive=False, stop=stop)
+    lengths = []
+    for prompt, res in zip(PROMPTS, results):
+        one = g1.generate(prompt, NEW, proposer="ngram", gamma=4, stop_ids=[], adaptive=False, stop=stop)
+        assert (res.tokens, res.text, res.stats.stop_reason) == (one.tokens, one.text, one.stats.stop_reason)
+        assert all(s not in res.text for s in stop)
+        lengths.append(len(res.tokens))
+    assert lengths[0] <= 8 and lengths[2] <= 22 and len(set(lengths)) > 1, lengths
