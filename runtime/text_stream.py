@@ -4,7 +4,7 @@ A token may complete a multi-byte character or change how the token before it de
 concatenation of per-token strings. Re-decoding every id at every round would be right but costs O(length)
 per round; instead only a window is decoded (vLLM's and TGI's incremental detokenization): it starts at
 `_prefix`, an earlier point where the text was whole, and the text of the window's settled part
-(`_prefix`.."_read") is subtracted, so that what decoding a sequence's first token does to it (SentencePiece
+(`_prefix`..`_read`) is subtracted, so that what decoding a sequence's first token does to it (SentencePiece
 drops its leading space, a word tokenizer puts no separator before it) falls on text already known. The text
 of ids[:k] is then `_read_chars + len(decode(ids[_prefix:k])) - len(decode(ids[_prefix:_read]))` for k >=
 `_read`. A window that does not extend its settled part's text (a tokenizer for which the rule above fails)

@@ -35,6 +35,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_id: str | None = None  # default: the bundle's directory name
     history_tokens: int = 0  # > 0: prompt lookup also drafts from earlier completions (runtime/output_history.py)
+    sampling_defaults: dict = field(default_factory=dict)  # what requests that leave a sampling field out get
 
     @property
     def model(self) -> str:
@@ -110,7 +111,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None):
             eng.metrics.count_request("invalid")
             return error(400, "the request body is not valid JSON")
         try:
-            req = parse_request(body, chat, model)
+            req = parse_request(body, chat, model, config.sampling_defaults)
             jobs = eng.submit(req, asyncio.get_running_loop())
         except RequestError as e:
             eng.metrics.count_request("invalid")

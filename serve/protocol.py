@@ -72,7 +72,23 @@ class CompletionRequest:
                     frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=self.logit_bias)
 
 
-def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
+# The sampling fields a server may give defaults of its own (`specedge serve --temperature 0.2 ...`, as vLLM takes
+# a model's generation_config); a request that leaves one out (or sends null) gets the server's, else OpenAI's.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+
+def check_sampling_defaults(defaults: dict) -> dict:
+    """The server's defaults, checked as a request's fields are; RequestError names the first bad one."""
+    unknown = set(defaults) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise RequestError(f"no server default for {', '.join(sorted(unknown))}; there are defaults for "
+                           f"{', '.join(SAMPLING_FIELDS)}")
+    parse_request({"model": "m", "prompt": "x", **defaults}, False, "m")
+    return dict(defaults)
+
+
+def parse_request(body, chat: bool, model_id: str, defaults: dict | None = None) -> CompletionRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -81,6 +97,8 @@ def parse_request(body, chat: bool, model_id: str) -> CompletionRequest:
     if model != model_id:
         raise RequestError(f"the model {model!r} does not exist; this server serves {model_id!r}", status=404,
                            param="model", code="model_not_found")
+    if defaults:
+        body = {**defaults, **{k: v for k, v in body.items() if not (k in defaults and v is None)}}
     n = body.get("n", 1)
     if n is None:
         n = 1

@@ -476,6 +476,12 @@ def _add_serve(sub) -> None:
                    help="prompt lookup (ngram) also drafts from the last N tokens of earlier completions, any "
                    "client's (default 0: off). Greedy output is unchanged; a request's speed then depends on what others "
                    "were answered")
+    defaults = p.add_argument_group("sampling defaults", "what a request that leaves the field out gets (default: "
+                                    "OpenAI's: temperature 1, top_p 1, no top_k or min_p, no penalties)")
+    for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
+                       ("--presence-penalty", float), ("--frequency-penalty", float),
+                       ("--repetition-penalty", float)):
+        defaults.add_argument(flag, type=kind, default=None, metavar="X")
     p.add_argument("--backend", default="cpu", help="cpu (default), ort, cuda, tensorrt or qnn")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: onnxruntime's choice)")
     p.add_argument("--ray", action="store_true", help="serve through Ray Serve (pip install 'specedge[ray]')")
@@ -487,6 +493,7 @@ def _run_serve(a) -> int:
     from .graphs.manifest import load_manifest
     from .serve.app import ServerConfig, serve_forever
     from .serve.engine import EngineConfig
+    from .serve.protocol import SAMPLING_FIELDS, RequestError, check_sampling_defaults
 
     manifest = load_manifest(a.bundle)
     proposer = a.proposer or ("draft" if manifest.draft else "ngram")
@@ -496,11 +503,15 @@ def _run_serve(a) -> int:
                              ("--history-tokens", a.history_tokens, 0)):
         if value < low:
             raise GenerationError(f"{name} must be at least {low}")
+    try:
+        defaults = check_sampling_defaults({f: getattr(a, f) for f in SAMPLING_FIELDS if getattr(a, f) is not None})
+    except RequestError as e:
+        raise GenerationError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None
     if a.ray and not 1 <= a.port <= 65535:  # serve_forever checks its own (it also takes 0: any free port)
         raise ServeError(f"--port must be in 1..65535 with --ray, not {a.port}")
     config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,
                                                                        a.session_mb << 20), a.model_id,
-                          a.history_tokens)
+                          a.history_tokens, defaults)
     if a.ray:
         from .serve.ray_serve import serve_with_ray
 

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -39,9 +40,9 @@ def free_port(candidates: range | None = None) -> int:
 class Server:
     """uvicorn in a thread of the test process, on a free loopback port."""
 
-    def __init__(self, bundle: str, history_tokens: int = 0, **engine_options):
+    def __init__(self, bundle: str, history_tokens: int = 0, sampling_defaults: dict | None = None, **engine_options):
         self.config = ServerConfig(bundle, threads=1, engine=EngineConfig(**engine_options), model_id=MODEL,
-                                   history_tokens=history_tokens)
+                                   history_tokens=history_tokens, sampling_defaults=sampling_defaults or {})
         self.engine = load_engine(self.config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -544,7 +545,6 @@ def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle)
     then raises the signal again, which the CLI turns into its usual "interrupted" and status 130 (128 +
     SIGINT), not a traceback."""
     import signal
-    import subprocess
 
     late_start = ("import sys, time, uvicorn\nrun = uvicorn.Server.run\n"
                   "uvicorn.Server.run = lambda *a, **k: time.sleep(2) or run(*a, **k)\n"
@@ -568,6 +568,38 @@ def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sampling_defaults_apply_to_requests_that_leave_the_field_out(tiny_bundle, oracle):
+    """A server started greedy (temperature 0) with a repetition penalty answers a request without them (or with
+    null) as the runtime does with them; a request's own values win."""
+    srv = Server(tiny_bundle, sampling_defaults={"temperature": 0.0, "repetition_penalty": 1.3})
+    try:
+        client = srv.client()
+        prompt = words(9, 24)
+        ids = oracle.tokenizer.encode(prompt)
+        want = oracle.tokenizer.decode(oracle.generate(ids, 16, proposer="none", repetition_penalty=1.3).tokens)
+        assert want != expected(oracle, ids, 16)  # the penalty changes this output
+        for extra in ({}, {"temperature": None, "repetition_penalty": None}):
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, extra_body=extra)
+            assert r.choices[0].text == want
+        sampled = oracle.generate(ids, 16, proposer="none", temperature=1.0, seed=4, repetition_penalty=1.0).tokens
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=4,
+                                      extra_body={"repetition_penalty": 1.0, "proposer": "none"})
+        assert r.choices[0].text == oracle.tokenizer.decode(sampled) != want
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("flag, value, fragment", [("--temperature", "2.5", "--temperature: temperature must be"),
+                                                   ("--top-p", "0", "--top-p: top_p must be in (0, 1]"),
+                                                   ("--top-k", "-1", "--top-k: top_k must be a non-negative"),
+                                                   ("--presence-penalty", "3", "--presence-penalty: presence_penalty")])
+def test_serve_refuses_bad_sampling_defaults(tiny_bundle, flag, value, fragment):
+    """Before loading anything (a server that took the value would listen until the timeout)."""
+    r = subprocess.run([sys.executable, "-m", "specedge", "serve", tiny_bundle, "--port", "0", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and fragment in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("port, ray, fragment", [(99999, False, "--port must be in 0..65535, not 99999"),
