@@ -190,7 +190,8 @@ def test_stop_strings_cut_the_text_before_them(server, batch_server, oracle):
             break
     assert len(plain.tokens) not in ends and plain.text == full[: full.index(stop)]
     for srv, proposer in ((server, "draft"), (batch_server, "ngram")):
-        kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"proposer": proposer})
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"proposer": proposer,
+                                                                                        "gamma": 8})
         r = srv.client().completions.create(stop=[stop], **kw)
         assert r.choices[0].text == plain.text and r.choices[0].finish_reason == "stop"
         assert r.usage.completion_tokens == len(plain.tokens)
