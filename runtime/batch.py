@@ -52,7 +52,7 @@ from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
-from .stop_strings import cut_round, stop_strings_for
+from .stop_strings import cut_round, output_text, stop_strings_for
 from .text_stream import TextStream
 from .tokenizer import Tokenizer
 
@@ -500,9 +500,7 @@ class BatchGenerator:
             runner.decode_step(closed=not waiting)
             for b in [b for b in running if runner.rows[b].reason]:
                 r = runner.release(b)
-                text = self.tokenizer.decode(r.output) if self.tokenizer else None
-                if r.stop_strings is not None and r.stop_strings.stopped:
-                    text = r.stop_strings.text  # the text before the stop string
-                results[running.pop(b)] = GenerationResult(r.prompt, r.output, r.stats, text,
+                results[running.pop(b)] = GenerationResult(r.prompt, r.output, r.stats,
+                                                           output_text(self.tokenizer, r.output, r.stop_strings),
                                                            r.token_logprobs if logprobs is not None else None)
         return results

@@ -36,7 +36,7 @@ from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
 from .sampling import SamplingParams, hold_back, is_int, probs_from_logits
 from .stats import Stats
-from .stop_strings import cut_round, stop_strings_for
+from .stop_strings import cut_round, output_text, stop_strings_for
 from .text_stream import TextStream
 from .tokenizer import Tokenizer
 
@@ -372,10 +372,8 @@ class Generator:
                                min_p=min_p, logprobs=logprobs, logprobs_out=entries, logit_bias=logit_bias,
                                stop=stop_strings):
             tokens += new
-        text = self.tokenizer.decode(tokens) if self.tokenizer else None
-        if stop_strings is not None and stop_strings.stopped:
-            text = stop_strings.text  # the text before the stop string
-        return GenerationResult(list(map(int, prompt_ids)), tokens, stats, text, entries)
+        return GenerationResult(list(map(int, prompt_ids)), tokens, stats,
+                                output_text(self.tokenizer, tokens, stop_strings), entries)
 
 
 def check_request(prompts: list[list[int]], dims: C.ModelDims, max_new_tokens: int) -> None:

@@ -36,6 +36,14 @@ def stop_strings_for(tokenizer, stop, min_new_tokens: int = 0) -> TextStream | N
     return TextStream(tokenizer.decode, stop, min_new_tokens)
 
 
+def output_text(tokenizer, tokens: list[int], stop_strings: TextStream | None) -> str | None:
+    """A finished output's text: the text before the stop string that ended it, else its tokens decoded (None:
+    no tokenizer)."""
+    if stop_strings is not None and stop_strings.stopped:
+        return stop_strings.text
+    return tokenizer.decode(tokens) if tokenizer else None
+
+
 def cut_round(new: list[int], emitted: int, max_new_tokens: int, stop_ids: set[int],
               text: TextStream | None = None) -> tuple[list[int], str]:
     """A round's committed tokens, cut after the first stop id, completed stop string (`text` has taken every
