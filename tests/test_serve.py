@@ -427,14 +427,29 @@ def test_malformed_json_and_bad_prompts_are_400s(server):
 
 
 def test_models_health_and_metrics(server):
+    """The counters move by what a request reports (usage and its specedge stats), whatever ran before."""
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert server.healthy()
-    m = server.metrics()
+    before = server.metrics()
     for name in ("specedge_completion_tokens_total", "specedge_draft_tokens_proposed_total", "specedge_queue_depth",
                  "specedge_tokens_per_second", "specedge_acceptance_ratio", "specedge_reused_prompt_tokens_total"):
-        assert name in m
-    assert m["specedge_completion_tokens_total"] > 0 and m["specedge_queue_depth"] == 0
+        assert name in before
+    r = server.client().completions.create(model=MODEL, prompt=words(3, 6) * 4, max_tokens=16, temperature=0,
+                                           extra_body={"proposer": "ngram", "min_tokens": 16})
+    stats = r.model_extra["specedge"]
+    assert stats["proposed"] > 0  # a repeated prompt gives prompt lookup something to draft
+    after = server.metrics()
+
+    def moved(name):
+        return after[name] - before[name]
+    assert moved("specedge_completion_tokens_total") == r.usage.completion_tokens == 16
+    assert moved("specedge_prompt_tokens_total") == r.usage.prompt_tokens
+    assert moved("specedge_draft_tokens_proposed_total") == stats["proposed"]
+    assert moved("specedge_draft_tokens_accepted_total") == stats["accepted"]
+    assert moved("specedge_rounds_total") == stats["rounds"]
+    assert moved('specedge_requests_total{status="ok"}') == moved("specedge_requests_finished") == 1
+    assert after["specedge_tokens_per_second"] > 0 and after["specedge_queue_depth"] == 0
 
 
 # -- a slow device: rounds that take time, so that disconnects and full queues can be observed -----------------
