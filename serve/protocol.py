@@ -14,11 +14,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..errors import GenerationError
 from ..runtime.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
 from ..runtime.penalties import MAX_LOGIT_BIAS
 from ..runtime.sampling import is_int
+from ..runtime.stop_strings import check_stop
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 16  # n: each choice is a sequence of its own (a batch row, or a run after the others)
 
 
@@ -128,11 +129,10 @@ def parse_request(body, chat: bool, model_id: str, defaults: dict | None = None)
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or seed < 0):
         raise RequestError("seed must be a non-negative integer", param="seed")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them",
-                           param="stop")
+    try:  # the runtime's rule (OpenAI allows 4 strings, vLLM any number; the runtime takes up to 16)
+        stop = check_stop(body.get("stop"))
+    except GenerationError as e:
+        raise RequestError(str(e), param="stop") from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("stream must be a boolean", param="stream")

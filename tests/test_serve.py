@@ -320,6 +320,8 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(server, oracle):
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "tools": [{"type": "function"}]}, 400,
      "tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": [1]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "stop": ["x"] * 17}, 400,
+     "at most 16 stop strings"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "min_tokens": -1}, 400, "min_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "presence_penalty": 2.5}, 400,
      "presence_penalty"),
