@@ -49,7 +49,7 @@ from .model import ModelRunner, common_prefix
 from .output_history import HISTORY_N_MIN, OutputHistory, output_history
 from .proposers import NGRAM_SIZES, Sampler, ngram_chain
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
-from .penalties import Penalties, PenaltyState
+from .penalties import Penalties, PenaltyState, sampling_settings
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
 from .stats import Stats
 from .stop_strings import cut_round, output_text, stop_strings_for
@@ -112,13 +112,8 @@ class BatchRunner:
               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_p: float = 0.0,
               logit_bias: dict[int, float] | None = None) -> tuple[SamplingParams, Penalties]:
         """Refuse what the rows cannot run (GenerationError); returns the sampling parameters and penalties."""
-        try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
-                                  {} if logit_bias is None else logit_bias)
-            penalties.check_vocab(self.target.dims.vocab_size)
-        except ValueError as e:
-            raise GenerationError(str(e)) from None
+        params, penalties = sampling_settings(self.target.dims.vocab_size, temperature, top_k, top_p, min_p,
+                                              repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
         check_request(prompts, self.target.dims, max_new_tokens)
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
         if proposer != "none":

@@ -31,10 +31,10 @@ from .exactness import warn_if_unverified
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .model import ModelRunner
 from .output_history import OutputHistory, output_history
-from .penalties import Penalties, PenaltyState
+from .penalties import PenaltyState, sampling_settings
 from .kv_cache import SharedKVCache
 from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
-from .sampling import SamplingParams, hold_back, is_int, probs_from_logits
+from .sampling import hold_back, is_int, probs_from_logits
 from .stats import Stats
 from .stop_strings import cut_round, output_text, stop_strings_for
 from .text_stream import TextStream
@@ -203,13 +203,8 @@ class Generator:
         counts only when completed by a token after the first min_new_tokens. `generate` returns the text before
         the string. A TextStream passed as `stop` (runtime/text_stream.py) is fed every token and shows the
         caller the text as it grows."""
-        try:
-            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-            penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
-                                  {} if logit_bias is None else logit_bias)
-            penalties.check_vocab(self.target.dims.vocab_size)
-        except ValueError as e:
-            raise GenerationError(str(e)) from None
+        params, penalties = sampling_settings(self.target.dims.vocab_size, temperature, top_k, top_p, min_p,
+                                              repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
         prompt = token_ids(prompt_ids)
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import _is_real, is_int
+from ..errors import GenerationError
+from .sampling import SamplingParams, _is_real, is_int
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
@@ -65,6 +66,22 @@ class Penalties:
         outside = sorted(t for t in self.logit_bias if t >= vocab_size)
         if outside:
             raise ValueError(f"logit_bias token {outside[0]} is outside the vocabulary (ids 0..{vocab_size - 1})")
+
+
+def sampling_settings(vocab_size: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0, repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                      frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None
+                      ) -> tuple[SamplingParams, Penalties]:
+    """A request's sampling parameters and penalties, checked against a vocabulary of `vocab_size` tokens
+    (GenerationError: one message for the first bad value)."""
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        penalties = Penalties(repetition_penalty, presence_penalty, frequency_penalty,
+                              {} if logit_bias is None else logit_bias)
+        penalties.check_vocab(vocab_size)
+    except ValueError as e:
+        raise GenerationError(str(e)) from None
+    return params, penalties
 
 
 class PenaltyState:
