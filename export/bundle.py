@@ -183,7 +183,7 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
                  context: int, refs: dict[str, WeightRef], weights: str, step_mask: bool,
                  quant: QuantSpec | None, scaled_norm: bool = False, qdq: bool = False,
                  rows: int | None = None) -> GraphEntry:
-    """rows: 1 for a row graph of a batch model (its prefill of one row at a time)."""
+    """rows: 1 for a row graph of a batch model (prefill or step of one row at a time)."""
     if rows is not None:
         dims = replace(dims, batch=rows)
     # qdq: the float graph that export.qdq quantizes (opset 21: standard-domain uint16 QuantizeLinear)
@@ -201,6 +201,13 @@ def _write_graph(bundle: str, model: str, cfg: llama.LlamaConfig, dims: C.ModelD
                        context=context, step_mask=mask, batch=rows)
     onnx.save(g.build(), os.path.join(bundle, entry.file))
     return entry
+
+
+def _row_steps(opts: ExportOptions) -> list[int]:
+    """T of a batch target's row step graphs: its chain step graphs (with --prefill-logits, those that are not
+    prefill graphs too)."""
+    prefills = set(opts.prefill_sizes()) if opts.prefill_logits else set()
+    return [t for t in opts.target_steps() if t not in prefills]
 
 
 def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, steps: list[int],
@@ -236,6 +243,10 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     # A batch model also prefills one row at a time (manifest version 3): a batch prefill chunk computes every
     # row, so a prompt arriving alone would pay for B.
     row_plan = [(C.PREFILL, t) for t in prefills] if opts.batch > 1 and prefill_role == C.PREFILL and shared is None else []
+    # And the target decodes and verifies one row alone when no other row runs (version 4): a batch step
+    # computes every row, so a lone request would pay for B. Chains only: batches verify no trees.
+    if opts.batch > 1 and name == "target":
+        row_plan += [(C.STEP, t) for t in _row_steps(opts)]
     graphs = []
     for context in opts.buckets():
         for role, tokens, mask in plan:
@@ -296,7 +307,8 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     n_prefill = len(opts.prefill_sizes())
     trees = set(opts.tree_sizes) - set(opts.target_steps())
     rows = n_prefill if opts.batch > 1 and not opts.prefill_logits else 0  # row prefill graphs per own-cache model
-    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps()) + len(trees) + rows
+    row_steps = len(_row_steps(opts)) if opts.batch > 1 else 0
+    n_graphs = len(opts.buckets()) * (n_prefill + len(opts.target_steps()) + len(trees) + rows + row_steps
                                       + ((n_prefill + len(opts.draft_steps())) if (draft or opts.draft_layers) else 0)
                                       + (rows if draft else 0))
     qdq = opts.flavour == "qnn-qdq16"

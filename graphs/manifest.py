@@ -27,8 +27,11 @@ FORMAT = "specedge-bundle"
 # 3: a model exported with --batch B > 1 also has prefill graphs of batch 1 ("batch": 1 in their graph entry),
 # which prefill one row of the batch cache at a time (bound to that row's slice of the buffers): a batch
 # prefill chunk computes every row, idle ones included. Version-2 bundles have no such graphs and read as before.
-VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# 4: a batch model's target also has step graphs of batch 1 (role "step", "batch": 1), which decode and verify
+# one row alone when no other row runs: a batch step computes every row, so a lone request paid for B. A
+# version-3 reader would take them for prefill graphs, hence the bump; version-3 bundles read as before.
+VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 MANIFEST = "manifest.json"
 MODEL_NAMES = ("target", "draft")
 
@@ -84,7 +87,7 @@ class GraphEntry:
     file: str
     context: int  # the past length this graph reads: a context bucket <= the model's context
     step_mask: bool = False
-    batch: int | None = None  # 1: a row graph of a batch model (prefill of one row); None: the model's batch
+    batch: int | None = None  # 1: a row graph of a batch model (one row's prefill or step); None: the model's batch
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -126,13 +129,19 @@ class ModelEntry:
         return next((g for g in self.batch_graphs if (g.role, g.tokens, g.context) == (role, tokens, context)
                      and (g.step_mask or not tree)), None)
 
-    def row_graph(self, tokens: int, context: int) -> GraphEntry | None:
-        """The batch-1 prefill graph of T tokens at a context bucket (batch models, version 3)."""
-        return next((g for g in self.graphs if g.batch == 1 and (g.tokens, g.context) == (tokens, context)), None)
+    def row_graph(self, role: str, tokens: int, context: int) -> GraphEntry | None:
+        """The batch-1 graph of a role and T at a context bucket (batch models: prefill since version 3, step
+        since version 4)."""
+        return next((g for g in self.graphs if g.batch == 1 and (g.role, g.tokens, g.context) == (role, tokens, context)),
+                    None)
 
     def row_prefill_tokens(self) -> list[int]:
         """T of the row prefill graphs, largest first (none for a batch-1 model)."""
-        return sorted({g.tokens for g in self.graphs if g.batch == 1}, reverse=True)
+        return sorted({g.tokens for g in self.graphs if g.batch == 1 and g.role == C.PREFILL}, reverse=True)
+
+    def row_step_tokens(self) -> list[int]:
+        """T of the row step graphs, smallest first (none for a batch-1 model or before version 4)."""
+        return sorted({g.tokens for g in self.graphs if g.batch == 1 and g.role == C.STEP})
 
     def graph_dims(self, graph: GraphEntry) -> C.ModelDims:
         """The dims a graph's inputs and outputs follow (a row graph: batch 1)."""
@@ -222,9 +231,9 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
             raise BundleError(f"manifest: model '{name}' graph {g.file} has role {g.role!r}, tokens {g.tokens}, "
                               f"context {g.context} (model context {dims.context})")
     for g in graphs:
-        if g.batch is not None and (g.batch != 1 or g.role != C.PREFILL or dims.batch == 1 or g.step_mask):
-            raise BundleError(f"manifest: model '{name}' graph {g.file} has batch {g.batch}: only prefill graphs "
-                              f"of batch 1 in a model of batch > 1 may set it")
+        if g.batch is not None and (g.batch != 1 or dims.batch == 1 or g.step_mask):
+            raise BundleError(f"manifest: model '{name}' graph {g.file} has batch {g.batch}: only graphs of batch 1 "
+                              f"without a step mask, in a model of batch > 1, may set it")
     keys = [(g.role, g.tokens, g.context, g.batch) for g in graphs]
     if len(set(keys)) != len(keys):
         role, tokens, context, _ = next(k for k in keys if keys.count(k) > 1)

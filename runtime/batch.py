@@ -214,7 +214,7 @@ class BatchRunner:
         # a round's seconds depend on (bucket, T) only, so those measured before stay true for the wider set
         self.step_width.widths = sorted(steps)
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
-        self.target.warm_rows()
+        self.target.warm_rows(self.target.row_step_sizes)
         if self.draft is not None and gamma and not self.own_draft_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
         elif self.draft is not None and gamma:  # T=2 feeds a fully accepted round's last draft with the pending token
@@ -274,13 +274,19 @@ class BatchRunner:
                 wanted[b] = k
         if not drafts:
             return {}
+        # A row that runs alone takes the row step graphs (bundle version 4): a batch step computes every row.
+        # Its rounds cost less than the batch's, so their seconds are measured apart.
+        lone = next(iter(drafts)) if len(drafts) == 1 and target.row_step_sizes else None
+
+        def cost_key():  # the bucket the step runs in (a run may move the cache to a larger one)
+            return target.cache.bucket if lone is None else (target.cache.bucket, "row")
         if capped & drafts.keys():
             available = {b: len(drafts[b]) if self.rows[b].proposer == "ngram" else wanted.get(b, 0) for b in drafts}
             least = 1 + max((available[b] for b in drafts if b not in capped), default=0)
             left = {b: self.rows[b].max_new_tokens - len(self.rows[b].output) for b in drafts}
             rows = [(available[b], self.rows[b].length.acceptance.rate, left[b]) for b in drafts]
             most = max((t for t in steps if t <= room), default=1)
-            width = self.step_width.choose(rows, target.cache.bucket, least, most, closed)
+            width = self.step_width.choose(rows, cost_key(), least, most, closed)
             for b in capped & drafts.keys():
                 if available[b] and width == 1:
                     self.rows[b].length.acceptance.unverified()
@@ -306,12 +312,16 @@ class BatchRunner:
                         draft_probs[b] = draft_probs[b][:n]
             feeds[b] = [row.context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
-        logits = target.run_rows(feeds)  # [B, T, V]: T is the step graph the round ran in
-        width = logits.shape[1]
+        if lone is None:
+            logits = target.run_rows(feeds)  # [B, T, V]: T is the step graph the round ran in
+            width = logits.shape[1]
+        else:
+            logits = {lone: target.run_row(lone, feeds[lone])}  # row -> [T, V]
+            width = logits[lone].shape[0]
         committed = {}
         for b, d in drafts.items():
             row = self.rows[b]
-            rows_b = logits[b, :len(d) + 1]
+            rows_b = logits[b][:len(d) + 1]
             raw = rows_b.copy() if row.logprobs is not None else None  # row j chose the j-th new token
             if row.penalty is not None:
                 rows_b = row.penalty.apply(rows_b, [d[:j] for j in range(len(d) + 1)])
@@ -339,8 +349,8 @@ class BatchRunner:
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
-        # a step costs the same for any number of running rows (idle rows are padding)
-        self.step_width.update(target.cache.bucket, width, time.perf_counter() - began)
+        # a batch step costs the same for any number of running rows (idle rows are padding)
+        self.step_width.update(cost_key(), width, time.perf_counter() - began)
         return committed
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:

@@ -61,15 +61,13 @@ class _Step:
 
 
 class _RowStep:
-    """A row graph's session (a batch-1 prefill graph of a batch model), bound to one row of the batch cache
-    per run: the row's slice of every buffer is contiguous, so the binding is zero-copy."""
+    """A row graph's session (a batch-1 prefill or step graph of a batch model), bound to one row of the batch
+    cache per run: the row's slice of every buffer is contiguous, so the binding is zero-copy."""
 
-    def __init__(self, session, dims: C.ModelDims, graph: GraphEntry):
-        T = graph.tokens
-        self.session, self.tokens, self.context = session, T, graph.context
-        self.input_ids = np.zeros((1, T), np.int64)
-        self.position_ids = np.zeros((1, T), np.int64)
-        self.new_kv = new_kv_block(dims, 1, T)
+    def __init__(self, session, graph: GraphEntry, buffers: _StepBuffers):
+        self.session, self.tokens, self.context = session, graph.tokens, graph.context
+        self.input_ids, self.position_ids = buffers.input_ids, buffers.position_ids
+        self.logits, self.new_kv = buffers.logits, buffers.new_kv
         self.row = None  # the row the session is bound to
 
     def bind(self, cache: KVCache, row: int) -> None:
@@ -79,6 +77,8 @@ class _RowStep:
         inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids,
                   C.CACHE_LEN: cache.length[row:row + 1]}
         outputs = {}
+        if self.logits is not None:
+            outputs[C.LOGITS] = self.logits
         for i in range(len(keys)):
             inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i][row:row + 1], values[i][row:row + 1]
             outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_kv[0, i], self.new_kv[1, i]
@@ -100,7 +100,8 @@ class ModelRunner:
         self._backend = backend
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
-        self._row_steps: dict[tuple[int, int], _RowStep] = {}  # (T, context): row prefill graphs
+        self._row_steps: dict[tuple[str, int, int], _RowStep] = {}  # (role, T, context): row graphs
+        self._row_buffers: dict[tuple[str, int], _StepBuffers] = {}  # (role, T), shared by the row graphs' buckets
         self._graph_buckets: dict[tuple[str, int, bool, bool], list[int]] = {}  # (role, T, tree, row): buckets with it
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
         self._tree_sizes: list[int] = entry.tree_tokens()
@@ -144,13 +145,16 @@ class ModelRunner:
         except BackendError as e:
             raise BundleError(f"{graph.file} is corrupt or not a graph of this runtime ({e})") from None
 
-    def _row_step(self, tokens: int, context: int) -> _RowStep:
-        key = (tokens, context)
+    def _row_step(self, role: str, tokens: int, context: int) -> _RowStep:
+        key = (role, tokens, context)
         if key not in self._row_steps:
-            graph = self.entry.row_graph(tokens, context)
+            graph = self.entry.row_graph(role, tokens, context)
             session = self._load(graph)
-            _check_io(graph, self.entry.graph_dims(graph), session)
-            self._row_steps[key] = _RowStep(session, self.dims, graph)
+            dims = self.entry.graph_dims(graph)
+            _check_io(graph, dims, session)
+            if (role, tokens) not in self._row_buffers:
+                self._row_buffers[(role, tokens)] = _StepBuffers(dims, role, tokens, False)
+            self._row_steps[key] = _RowStep(session, graph, self._row_buffers[(role, tokens)])
         return self._row_steps[key]
 
     @property
@@ -211,14 +215,14 @@ class ModelRunner:
                     used: int | None = None, row: bool = False) -> int:
         """The smallest past length, at or above the active one, that has the graph and holds the cache plus
         all T slots of the step, padding included: a T > 1 graph places its rows at slots cache_len..+T-1.
-        (bucket, used) stand in for the cache's own when planning ahead; `row`: a batch's row prefill graph,
-        `used` then being that row's length."""
+        (bucket, used) stand in for the cache's own when planning ahead; `row`: a batch's row graph, `used`
+        then being that row's length."""
         bucket = self.cache.bucket if bucket is None else bucket
         need = max(bucket, (self.cache.used if used is None else used) + T)
         buckets = self._graph_buckets.get((role, T, tree, row))
         if buckets is None:  # once per kind of graph: this runs before every step
             buckets = [b for b in self.cache.buckets
-                       if (self.entry.row_graph(T, b) if row else self.entry.graph(role, T, b, tree))]
+                       if (self.entry.row_graph(role, T, b) if row else self.entry.graph(role, T, b, tree))]
             self._graph_buckets[(role, T, tree, row)] = buckets
         return next(b for b in buckets if b >= need)
 
@@ -346,12 +350,12 @@ class ModelRunner:
         """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
         return self.entry.row_prefill_tokens()
 
-    def warm_rows(self) -> None:
-        """Create the row prefill sessions of every bucket."""
+    def warm_rows(self, steps: list[int] = ()) -> None:
+        """Create the row prefill sessions of every bucket, and the row step sessions of `steps` (T)."""
         for context in self.entry.buckets():
-            for t in self.row_prefill_sizes:
-                if self.entry.row_graph(t, context):
-                    self._row_step(t, context)
+            for role, t in [(C.PREFILL, t) for t in self.row_prefill_sizes] + [(C.STEP, t) for t in steps]:
+                if self.entry.row_graph(role, t, context):
+                    self._row_step(role, t, context)
 
     def prefill_row(self, row: int, tokens: list[int]) -> int:
         """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the
@@ -363,7 +367,7 @@ class ModelRunner:
         T = plan_prefill(want, tuple((C.PREFILL, t) for t in self.row_prefill_sizes), free - want)[0][1]
         n = min(T, len(tokens))
         self.cache.use_bucket(self._bucket_for(C.PREFILL, T, used=start, row=True))
-        step = self._row_step(T, self.cache.bucket)
+        step = self._row_step(C.PREFILL, T, self.cache.bucket)
         step.bind(self.cache, row)
         step.input_ids[0, :n] = tokens[:n]
         step.input_ids[0, n:] = 0
@@ -372,6 +376,36 @@ class ModelRunner:
         self.release_lookup_pages()
         self.cache.append_row(row, step.new_kv, n)
         return n
+
+    @property
+    def row_step_sizes(self) -> list[int]:
+        """T of the row step graphs that lone rows may use: those of the step graphs in use (`use_steps`), when
+        the bundle has one for each (version 4); else none, and a lone row runs in the batch's step graphs."""
+        rows = self.entry.row_step_tokens()
+        return list(self._step_sizes) if rows and set(self._step_sizes) <= set(rows) else []
+
+    def run_row(self, row: int, tokens: list[int]) -> np.ndarray:
+        """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step
+        computes every row, idle ones included): the other rows' caches are untouched. Returns logits [T, V]
+        (a view, valid until the next run; rows past len(tokens) are padding)."""
+        n, start = len(tokens), int(self.cache.length[row])
+        T = _smallest_fit(self.row_step_sizes, n, self.cache.capacity - start)
+        if T is None:
+            raise ValueError(f"no row step graph holds {n} tokens in row {row}'s free cache slots")
+        self.cache.use_bucket(self._bucket_for(C.STEP, T, used=start, row=True))
+        step = self._row_step(C.STEP, T, self.cache.bucket)
+        step.bind(self.cache, row)
+        step.input_ids[0, :n] = tokens
+        step.input_ids[0, n:] = 0
+        step.position_ids[0] = np.arange(start, start + T)
+        self._run(step.session)
+        if self._logits_scale:
+            snap_to_grid(step.logits[0, :n], self._logits_scale)
+        self._looked_up += n
+        if self._looked_up >= LOOKUP_RELEASE_TOKENS:
+            self.release_lookup_pages()
+        self.cache.append_row(row, step.new_kv, n)
+        return step.logits[0]
 
     def prefill_reusing(self, tokens: list[int]) -> int:
         """Fill the cache with tokens, keeping the longest prefix it already holds (see `history`): a

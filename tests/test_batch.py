@@ -97,17 +97,89 @@ def test_rows_prefill_alone_through_row_graphs(gens):
     g1, g3 = gens
     entry = g3.manifest.target
     rows = [g for g in entry.graphs if g.batch == 1]
-    assert rows and all(g.role == C.PREFILL and ".b1." in g.file for g in rows)
-    assert {g.tokens for g in rows} == set(entry.prefill_tokens())
+    assert rows and all(".b1." in g.file and not g.step_mask for g in rows)
+    assert {g.tokens for g in rows if g.role == C.PREFILL} == set(entry.prefill_tokens())
+    assert {g.tokens for g in rows if g.role == C.STEP} == set(entry.step_tokens())  # version 4: row steps
     report = check_bundle(g3.bundle_dir)
     assert report.ok, report.render()
-    assert any("exact rows" in line for line in report.render().splitlines())
+    compared = [g for g in entry.graphs if g.tokens > 1 or g.batch == 1]  # a row T=1 step too; one bucket here
+    assert f"exact rows: {len(compared)} graphs compute each row bit for bit" in report.render()
     prompt = PROMPTS[1]  # three chunks and a tail
     runs = g3.target.graph_runs
     (res,) = g3.generate_batch([prompt], NEW, proposer="none", stop_ids=[])
     assert res.tokens == g1.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
     assert g3.target._row_steps and not any(role == C.PREFILL for role, _, _ in g3.target._steps)
     assert g3.target.graph_runs - runs == -(-(len(prompt) - 1) // CHUNK) + NEW  # prefill chunks, then decode
+
+
+def count_calls(monkeypatch, obj, name: str) -> collections.Counter:
+    """Count the calls of obj.name (still made) in the returned counter, under key name."""
+    calls, real = collections.Counter(), getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("alone,proposer,gamma,kwargs", [
+    (1, "none", 1, {}), (1, "ngram", 4, dict(adaptive=False)),
+    (0, "ngram", 4, dict(temperature=1.0, top_k=2, seed=5, adaptive=False))])  # 4 of 16 drafts accepted at batch 1
+def test_a_lone_row_decodes_through_row_step_graphs_and_stays_exact(gens, monkeypatch, alone, proposer, gamma,
+                                                                       kwargs):
+    """A batch step computes every row, idle ones included; a row that runs alone (a lone request, or the last
+    row of a batch) steps through the batch-1 row step graphs (manifest version 4) on its slice of the cache.
+    Greedy and sampled tokens, and the logprobs of every token (bit for bit), stay batch 1's, alone and when
+    rows end at different rounds, and both kinds of step ran."""
+    g1, g3 = gens
+    kwargs = dict(kwargs, logprobs=2)  # the tiny model's tokens survive small logit errors; its logprobs do not
+    runner = g3.target
+    assert runner.row_step_sizes == runner.step_sizes
+    one, batch = count_calls(monkeypatch, runner, "run_row"), count_calls(monkeypatch, runner, "run_rows")
+    prompt = PROMPTS[alone]
+    (alone,) = g3.generate_batch([prompt], NEW, proposer=proposer, gamma=gamma, stop_ids=[], **kwargs)
+    plain = g1.generate(prompt, NEW, proposer=proposer, gamma=gamma, stop_ids=[], **kwargs)
+    assert (alone.tokens, alone.logprobs) == (plain.tokens, plain.logprobs)
+    assert one["run_row"] == alone.stats.rounds and batch["run_rows"] == 0
+    if proposer != "none":
+        assert 0 < alone.stats.accepted < alone.stats.proposed
+    one.clear()
+    # Four prompts through three rows: the first three share steps (ending at different rounds when they
+    # draft), and the fourth, admitted when a row frees, ends alone.
+    prompts = PROMPTS + PROMPTS[:1]
+    results = g3.generate_batch(prompts, NEW, proposer=proposer, gamma=gamma, stop_ids=[], **kwargs)
+    for i, (p, res) in enumerate(zip(prompts, results)):
+        seeded = dict(kwargs, seed=kwargs["seed"] + i) if "seed" in kwargs else kwargs
+        plain = g1.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], **seeded)
+        assert (res.tokens, res.logprobs) == (plain.tokens, plain.logprobs)
+    assert one["run_row"] > 0 and batch["run_rows"] > 0
+
+
+def test_a_version_3_batch_bundle_runs_lone_rows_in_its_batch_steps(gens, tmp_path):
+    """Bundles written before the row step graphs (manifest version 3) still load; a lone row then runs in the
+    batch's step graphs, as it did, with the same tokens."""
+    import json
+    import shutil
+
+    g1, g3 = gens
+    old = tmp_path / "v3"
+    shutil.copytree(g3.bundle_dir, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["version"] = 3
+    graphs = manifest["models"]["target"]["graphs"]
+    manifest["models"]["target"]["graphs"] = [g for g in graphs if not (g.get("batch") == 1 and g["role"] == "step")]
+    assert len(manifest["models"]["target"]["graphs"]) < len(graphs)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    v3 = BatchGenerator.load(str(old))
+    try:
+        assert v3.target.row_step_sizes == [] and v3.target.row_prefill_sizes
+        (res,) = v3.generate_batch([PROMPTS[1]], NEW, proposer="ngram", gamma=4, stop_ids=[], adaptive=False)
+        assert res.tokens == g1.generate(PROMPTS[1], NEW, proposer="ngram", gamma=4, stop_ids=[],
+                                         adaptive=False).tokens
+        assert not any(role == "step" for role, _, _ in v3.target._row_steps)
+    finally:
+        v3.close()
 
 
 def test_adaptive_greedy_batches_choose_their_step_width_and_stay_exact(gens):
@@ -489,3 +561,6 @@ def test_rows_end_at_their_stop_strings_as_batch_1_does(gens):
         assert all(s not in res.text for s in stop)
         lengths.append(len(res.tokens))
     assert lengths[0] <= 8 and lengths[2] <= 22 and len(set(lengths)) > 1, lengths
+
+
+

@@ -24,7 +24,7 @@ def leftovers(directory):
 def test_bundle_layout_and_manifest(tiny_bundle):
     m = load_manifest(tiny_bundle)
     raw = json.load(open(os.path.join(tiny_bundle, "manifest.json")))
-    assert raw["format"] == "specedge-bundle" and raw["version"] == 3
+    assert raw["format"] == "specedge-bundle" and raw["version"] == 4
     t = m.target
     assert sorted((g.role, g.tokens) for g in t.graphs) == [
         (C.PREFILL, CHUNK), (C.STEP, 1), (C.STEP, 2), (C.STEP, 3), (C.STEP, 5), (C.STEP, 9)]

@@ -162,18 +162,19 @@ def tree_rows(driver: GraphDriver, graph: GraphEntry, decode: GraphEntry, start:
 
 def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0,
                      logits_scale: float | None = None) -> list[RowsResult]:
-    """Every T > 1 graph against one-token steps in its bucket, and every bucket's one-token graph against
-    the smallest bucket's. Each T-token run starts T + 3 slots before its bucket's end, so the comparison
-    covers the whole slot range the bucket's reductions run over. `logits_scale`: the manifest's logits grid
-    (qnn-qdq16), which the runtime snaps logits onto; the rows are compared as the runtime reads them."""
+    """Every T > 1 graph (and a batch model's T=1 row graph) against one-token steps in its bucket, and every
+    bucket's one-token graph against the smallest bucket's. Each T-token run starts T + 3 slots before its
+    bucket's end, so the comparison covers the whole slot range the bucket's reductions run over.
+    `logits_scale`: the manifest's logits grid (qnn-qdq16), which the runtime snaps logits onto; the rows are
+    compared as the runtime reads them."""
     d = model.dims
     driver = GraphDriver(bundle, model, backend, seed, logits_scale)
     decode = one_token_steps(model)
     results = []
     try:
         for graph in model.graphs:
-            if graph.tokens == 1 or graph.context not in decode or graph.tokens + 3 > graph.context:
-                continue
+            if graph.tokens == 1 and graph.batch is None or graph.context not in decode or graph.tokens + 3 > graph.context:
+                continue  # (a row step graph of T=1 is compared with the batch's decode rows too)
             T, S = graph.tokens, graph.context
             start = S - T - 3
             tokens = driver.rng.integers(0, d.vocab_size, (d.batch, T))
