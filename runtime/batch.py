@@ -214,7 +214,7 @@ class BatchRunner:
         # a round's seconds depend on (bucket, T) only, so those measured before stay true for the wider set
         self.step_width.widths = sorted(steps)
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
-        self.target.warm_rows(self.target.row_step_sizes)
+        self.target.warm_rows()
         if self.draft is not None and gamma and not self.own_draft_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
         elif self.draft is not None and gamma:  # T=2 feeds a fully accepted round's last draft with the pending token
@@ -286,7 +286,8 @@ class BatchRunner:
             left = {b: self.rows[b].max_new_tokens - len(self.rows[b].output) for b in drafts}
             rows = [(available[b], self.rows[b].length.acceptance.rate, left[b]) for b in drafts]
             most = max((t for t in steps if t <= room), default=1)
-            width = self.step_width.choose(rows, cost_key(), least, most, closed)
+            width = self.step_width.choose(rows, cost_key(), least, most, closed,
+                                           widths=None if lone is None else target.row_step_sizes)
             for b in capped & drafts.keys():
                 if available[b] and width == 1:
                     self.rows[b].length.acceptance.unverified()
@@ -312,6 +313,7 @@ class BatchRunner:
                         draft_probs[b] = draft_probs[b][:n]
             feeds[b] = [row.context[-1]] + d
         bases = {b: int(target.cache.length[b]) for b in drafts}
+        sessions = target.sessions
         if lone is None:
             logits = target.run_rows(feeds)  # [B, T, V]: T is the step graph the round ran in
             width = logits.shape[1]
@@ -349,8 +351,10 @@ class BatchRunner:
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
             committed[b] = new
-        # a batch step costs the same for any number of running rows (idle rows are padding)
-        self.step_width.update(cost_key(), width, time.perf_counter() - began)
+        # A batch step costs the same for any number of running rows (idle rows are padding). A round that made
+        # a session (a lone row's first row step of this width and bucket) would teach the choice its making.
+        if target.sessions == sessions:
+            self.step_width.update(cost_key(), width, time.perf_counter() - began)
         return committed
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:

@@ -135,7 +135,8 @@ class StepWidth:
     width T, 1 + a + a^2 + ... + a^min(L, T-1) tokens on average. The seconds of a round are measured per
     (context bucket, T): they depend on those only, not on the text, so the choice needs no exploration of
     rounds that cannot pay (an unmeasured width is tried where it could: see `seconds`). The median of the
-    last few rounds resists a slow outlier.
+    last few rounds resists a slow outlier. `bucket` may be any hashable key: a lone row's rounds, which run
+    in row step graphs and cost less, are measured under (bucket, "row").
     The choice only changes speed: every round is exact whichever width it uses."""
 
     def __init__(self, widths, samples: int = 5):
@@ -159,15 +160,17 @@ class StepWidth:
         return self.seconds(bucket, max(narrower)) if narrower else 0.0
 
     def choose(self, rows: list[tuple[int, float, int]], bucket: int, least: int = 1, most: int | None = None,
-               closed: bool = False) -> int:
+               closed: bool = False, widths: list[int] | None = None) -> int:
         """The width for rows of (drafts available, acceptance, tokens left to generate), between `least` (what
-        rows with a fixed draft length need) and `most` (what fits the cache); ties go to the narrower width.
+        rows with a fixed draft length need) and `most` (what fits the cache), among `widths` (default: all);
+        ties go to the narrower width.
 
         Most committed tokens per second, unless `closed`: then no sequence joins before the running ones end
         (a batch's last prompts), so tokens of a row that will wait for the others anyway are worth nothing,
         and the width is the one that finishes the slowest row soonest (the fewest seconds for the row with
         the most rounds left)."""
-        candidates = [t for t in self.widths if least <= t <= (most or self.widths[-1])] or [least]
+        widths = self.widths if widths is None else sorted(widths)
+        candidates = [t for t in widths if least <= t <= (most or widths[-1])] or [least]
         longest = max((n for n, _, _ in rows), default=0)
         best, best_rate = candidates[0], -1.0
         for t in candidates:

@@ -350,12 +350,12 @@ class ModelRunner:
         """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
         return self.entry.row_prefill_tokens()
 
-    def warm_rows(self, steps: list[int] = ()) -> None:
-        """Create the row prefill sessions of every bucket, and the row step sessions of `steps` (T)."""
+    def warm_rows(self) -> None:
+        """Create the row prefill sessions of every bucket."""
         for context in self.entry.buckets():
-            for role, t in [(C.PREFILL, t) for t in self.row_prefill_sizes] + [(C.STEP, t) for t in steps]:
-                if self.entry.row_graph(role, t, context):
-                    self._row_step(role, t, context)
+            for t in self.row_prefill_sizes:
+                if self.entry.row_graph(C.PREFILL, t, context):
+                    self._row_step(C.PREFILL, t, context)
 
     def prefill_row(self, row: int, tokens: list[int]) -> int:
         """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the
@@ -379,8 +379,10 @@ class ModelRunner:
 
     @property
     def row_step_sizes(self) -> list[int]:
-        """T of the row step graphs that lone rows may use: those of the step graphs in use (`use_steps`), when
-        the bundle has one for each (version 4); else none, and a lone row runs in the batch's step graphs."""
+        """T of the row step graphs that lone rows use: those of the step graphs in use (`use_steps`), when the
+        bundle has one for each (version 4); else none, and a lone row runs in the batch's step graphs. Their
+        sessions are made on first use, in the buckets and widths lone rows reach: each holds about 6 MB of
+        its own (SmolLM2 int4), and a batch of rows that never runs alone needs none of them."""
         rows = self.entry.row_step_tokens()
         return list(self._step_sizes) if rows and set(self._step_sizes) <= set(rows) else []
 

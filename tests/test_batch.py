@@ -135,13 +135,13 @@ def test_a_lone_row_decodes_through_row_step_graphs_and_stays_exact(gens, monkey
     g1, g3 = gens
     kwargs = dict(kwargs, logprobs=2)  # the tiny model's tokens survive small logit errors; its logprobs do not
     runner = g3.target
-    assert runner.row_step_sizes == runner.step_sizes
     one, batch = count_calls(monkeypatch, runner, "run_row"), count_calls(monkeypatch, runner, "run_rows")
     prompt = PROMPTS[alone]
     (alone,) = g3.generate_batch([prompt], NEW, proposer=proposer, gamma=gamma, stop_ids=[], **kwargs)
     plain = g1.generate(prompt, NEW, proposer=proposer, gamma=gamma, stop_ids=[], **kwargs)
     assert (alone.tokens, alone.logprobs) == (plain.tokens, plain.logprobs)
     assert one["run_row"] == alone.stats.rounds and batch["run_rows"] == 0
+    assert runner.row_step_sizes == runner.step_sizes
     if proposer != "none":
         assert 0 < alone.stats.accepted < alone.stats.proposed
     one.clear()
@@ -154,6 +154,27 @@ def test_a_lone_row_decodes_through_row_step_graphs_and_stays_exact(gens, monkey
         plain = g1.generate(p, NEW, proposer=proposer, gamma=gamma, stop_ids=[], **seeded)
         assert (res.tokens, res.logprobs) == (plain.tokens, plain.logprobs)
     assert one["run_row"] > 0 and batch["run_rows"] > 0
+
+
+def test_rounds_that_make_a_row_session_do_not_teach_the_width_choice(gens, monkeypatch):
+    """Row step sessions are made on first use; the round that makes one took the making's time too, and a
+    width measured that way would look too dear to be tried again."""
+    import time
+
+    from specedge.runtime.draft_length import StepWidth
+
+    g1, g3 = gens
+    runner = g3.target
+    for key in [k for k in runner._row_steps if k[0] == "step"]:
+        runner._row_steps.pop(key).session.close()
+    real = runner._load
+    monkeypatch.setattr(runner, "_load", lambda graph: time.sleep(0.3) or real(graph))
+    g3.runner.warm(4)
+    fresh = g3.runner.step_width = StepWidth(runner.step_sizes)
+    g3.generate_batch([PROMPTS[1]], NEW, proposer="ngram", gamma=4, stop_ids=[])
+    assert [k for k in runner._row_steps if k[0] == "step"]  # made during the run
+    lone = [s for (key, _), runs in fresh._seconds.items() if isinstance(key, tuple) for s in runs]
+    assert lone and max(lone) < 0.3
 
 
 def test_a_version_3_batch_bundle_runs_lone_rows_in_its_batch_steps(gens, tmp_path):
@@ -382,7 +403,7 @@ def test_draft_model_rows_catch_up_after_rounds_without_drafts(tiny_models, tiny
 
         g3.draft.prefill_chunk, g3.runner._draft_model_rows = counted, round_
         g3.runner.warm(4)  # rows draft what their own draft length asks (the step width would stop a poor draft)
-        g3.runner.step_width.choose = lambda rows, bucket, least, most, closed: most
+        g3.runner.step_width.choose = lambda rows, bucket, least, most, closed, widths=None: most
         results = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, stop_ids=[])
         for prompt, res in zip(PROMPTS, results):
             assert res.tokens == g1.generate(prompt, NEW, proposer="draft", gamma=4, stop_ids=[]).tokens
