@@ -366,16 +366,24 @@ class ModelRunner:
         want = min(len(tokens), free)
         T = plan_prefill(want, tuple((C.PREFILL, t) for t in self.row_prefill_sizes), free - want)[0][1]
         n = min(T, len(tokens))
-        self.cache.use_bucket(self._bucket_for(C.PREFILL, T, used=start, row=True))
-        step = self._row_step(C.PREFILL, T, self.cache.bucket)
+        self._run_row_graph(C.PREFILL, T, row, tokens[:n])
+        self.release_lookup_pages()
+        return n
+
+    def _run_row_graph(self, role: str, T: int, row: int, tokens: list[int]) -> _RowStep:
+        """One run of row graph (role, T) on row `row` alone, its new K/V stored after the row's valid entries."""
+        n, start = len(tokens), int(self.cache.length[row])
+        self.cache.use_bucket(self._bucket_for(role, T, used=start, row=True))
+        step = self._row_step(role, T, self.cache.bucket)
         step.bind(self.cache, row)
-        step.input_ids[0, :n] = tokens[:n]
+        step.input_ids[0, :n] = tokens
         step.input_ids[0, n:] = 0
         step.position_ids[0] = np.arange(start, start + T)
         self._run(step.session)
-        self.release_lookup_pages()
+        if self._logits_scale and step.logits is not None:
+            snap_to_grid(step.logits[0, :n], self._logits_scale)
         self.cache.append_row(row, step.new_kv, n)
-        return n
+        return step
 
     @property
     def row_step_sizes(self) -> list[int]:
@@ -390,23 +398,13 @@ class ModelRunner:
         """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step
         computes every row, idle ones included): the other rows' caches are untouched. Returns logits [T, V]
         (a view, valid until the next run; rows past len(tokens) are padding)."""
-        n, start = len(tokens), int(self.cache.length[row])
-        T = _smallest_fit(self.row_step_sizes, n, self.cache.capacity - start)
+        T = _smallest_fit(self.row_step_sizes, len(tokens), self.cache.capacity - int(self.cache.length[row]))
         if T is None:
-            raise ValueError(f"no row step graph holds {n} tokens in row {row}'s free cache slots")
-        self.cache.use_bucket(self._bucket_for(C.STEP, T, used=start, row=True))
-        step = self._row_step(C.STEP, T, self.cache.bucket)
-        step.bind(self.cache, row)
-        step.input_ids[0, :n] = tokens
-        step.input_ids[0, n:] = 0
-        step.position_ids[0] = np.arange(start, start + T)
-        self._run(step.session)
-        if self._logits_scale:
-            snap_to_grid(step.logits[0, :n], self._logits_scale)
-        self._looked_up += n
+            raise ValueError(f"no row step graph holds {len(tokens)} tokens in row {row}'s free cache slots")
+        step = self._run_row_graph(C.STEP, T, row, tokens)
+        self._looked_up += len(tokens)
         if self._looked_up >= LOOKUP_RELEASE_TOKENS:
             self.release_lookup_pages()
-        self.cache.append_row(row, step.new_kv, n)
         return step.logits[0]
 
     def prefill_reusing(self, tokens: list[int]) -> int:

@@ -45,7 +45,9 @@ def _add_export(sub) -> None:
     p.add_argument("--context-buckets", type=_ints, default=None, metavar="S1,S2",
                    help="past lengths to export graphs for, besides --context; the runtime attends over the "
                    "smallest that holds the cache (default: every 128 slots up to 512, then every quarter of the context)")
-    p.add_argument("--batch", type=int, default=1, help="batch size B fixed in the graphs (default 1)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="batch size B fixed in the graphs (default 1); B > 1 also writes batch-1 row graphs, with "
+                   "which a row prefills, and steps when it runs alone, on its slice of the batch cache")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                    help="weights, cache and activations (logits are always float32)")
     p.add_argument("--for", dest="for_runtime", choices=["any", "qnn", "qnn-qdq16"], default="any",
