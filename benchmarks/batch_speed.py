@@ -19,12 +19,12 @@ from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.generator import Generator
 
 
-def main() -> int:
+def batch_parser(prompts: str) -> argparse.ArgumentParser:
+    """The options of the scripts that compare a batch-1 bundle with a batch-B one (also lone_row.py)."""
     p = argparse.ArgumentParser()
     p.add_argument("one")
     p.add_argument("many")
-    p.add_argument("--prompts", default="tools/prompts/suite.jsonl")
-    p.add_argument("--kind", default=None, help="only prompts of this kind (grounded/open)")
+    p.add_argument("--prompts", default=prompts)
     p.add_argument("--limit", type=int, default=None, help="prompts (default: the bundle's batch)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--proposers", default="none,ngram")
@@ -32,6 +32,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
+    return p
+
+
+def main() -> int:
+    p = batch_parser("tools/prompts/suite.jsonl")
+    p.add_argument("--kind", default=None, help="only prompts of this kind (grounded/open)")
     a = p.parse_args()
     g1 = Generator.load(a.one, threads=a.threads)
     gb = BatchGenerator.load(a.many, threads=a.threads)

@@ -14,7 +14,6 @@ Configurations, per proposer:
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import platform
@@ -22,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+from batch_speed import batch_parser
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.generator import Generator
@@ -40,18 +40,7 @@ def batch_steps_only():
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("one")
-    p.add_argument("many")
-    p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
-    p.add_argument("--limit", type=int, default=None, help="prompts (default: the bundle's batch)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--proposers", default="none,ngram")
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
+    a = batch_parser("tools/prompts/short_edits.jsonl").parse_args()
     g1 = Generator.load(a.one, threads=a.threads)
     gb = BatchGenerator.load(a.many, threads=a.threads)
     if not gb.target.row_step_sizes:
