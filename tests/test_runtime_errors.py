@@ -104,6 +104,8 @@ def damaged(tiny_pair_bundle, tmp_path, how):
         return b
     elif how == "version":
         m["version"] = 99
+    elif how == "row_graph":  # a row graph (batch 1) in a model of batch 1
+        m["models"]["target"]["graphs"][0]["batch"] = 1
     json.dump(m, open(path, "w"))
     return b
 
@@ -115,6 +117,7 @@ def damaged(tiny_pair_bundle, tmp_path, how):
     ("weights", "weights file missing"),
     ("not_json", "not valid JSON"),
     ("version", "version 99 is not supported"),
+    ("row_graph", "only graphs of batch 1 without a step mask, in a model of batch > 1, may set it"),
 ])
 def test_corrupt_bundles(tiny_pair_bundle, tmp_path, how, expected):
     b = damaged(tiny_pair_bundle, tmp_path, how)
