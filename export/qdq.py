@@ -203,7 +203,8 @@ def _tree_turn(runner, tokens: list[int]) -> int:
 
 def _graph_feeds(graph, dims: C.ModelDims, recorded: dict[str, list[dict]], model_graphs, limit: int) -> list[dict]:
     """Feeds for one graph: its own recorded runs, else those of the same (role, T) in other buckets that fit,
-    the past zero-padded (or cut: only slots < cache_len + T matter) to this graph's context."""
+    the past zero-padded (or cut: only slots < cache_len + T matter) to this graph's context. A row graph of a
+    batch model (batch 1) takes the first row of its batch twin's runs when it has none of its own."""
     own = recorded.get(os.path.basename(graph.file), [])
     pool = own or [f for g in model_graphs if (g.role, g.tokens, g.step_mask) == (graph.role, graph.tokens, graph.step_mask)
                    for f in recorded.get(os.path.basename(g.file), [])
@@ -214,6 +215,8 @@ def _graph_feeds(graph, dims: C.ModelDims, recorded: dict[str, list[dict]], mode
     for f in pool:
         feeds = {}
         for k, v in f.items():
+            if graph.batch == 1 and v.shape[0] > 1:  # every input's first axis is the batch
+                v = v[:1]
             if k.startswith("past_"):
                 full = np.zeros((v.shape[0], v.shape[1], graph.context, v.shape[3]), v.dtype)
                 full[:, :, :v.shape[2]] = v

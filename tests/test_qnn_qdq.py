@@ -69,6 +69,30 @@ def test_default_graphs_in_two_buckets_all_get_calibration_data(tiny_models, cal
     assert min(samples.values()) > 0
 
 
+def test_a_batch_bundle_calibrates_its_row_graphs(tiny_models, calibration_ids, tmp_path):
+    """--batch 2: the row graphs (batch 1: prefill, and steps of a row alone) take the first row of their batch
+    twins' calibration runs (before, feeding them two rows failed the export), and run: every row's tokens
+    equal its run alone."""
+    from specedge.runtime.batch import BatchGenerator
+
+    out = str(tmp_path / "bundle")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, batch=2, gammas=(2,),
+                                                             flavour="qnn-qdq16", calibration_prompts=calibration_ids),
+                  progress=False)
+    manifest = load_manifest(out)
+    assert {g.role for g in manifest.target.graphs if g.batch == 1} == {C.PREFILL, C.STEP}
+    samples = manifest.export["qnn"]["calibration"]["samples_per_graph"]
+    assert min(samples[g.file] for g in manifest.target.graphs if g.batch == 1) > 0
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4]]
+    g = BatchGenerator.load(out)
+    try:
+        together = g.generate_batch(prompts, 8, proposer="ngram", gamma=2, stop_ids=[])
+        alone = [g.generate_batch([p], 8, proposer="ngram", gamma=2, stop_ids=[])[0] for p in prompts]
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+    finally:
+        g.close()
+
+
 def test_calibration_ranges_equal_onnxruntimes_minmax_calibrator(tiny_bundle, tmp_path):
     """export.qdq's own MinMax pass (every float tensor as an output, reduced in numpy) gives the ranges that
     onnxruntime's MinMax calibrator gives, for every tensor of every graph of the tiny float32 bundle."""
