@@ -132,8 +132,8 @@ class ModelEntry:
     def row_graph(self, role: str, tokens: int, context: int) -> GraphEntry | None:
         """The batch-1 graph of a role and T at a context bucket (batch models: prefill since version 3, step
         since version 4)."""
-        return next((g for g in self.graphs if g.batch == 1 and (g.role, g.tokens, g.context) == (role, tokens, context)),
-                    None)
+        key = (role, tokens, context)
+        return next((g for g in self.graphs if g.batch == 1 and (g.role, g.tokens, g.context) == key), None)
 
     def row_prefill_tokens(self) -> list[int]:
         """T of the row prefill graphs, largest first (none for a batch-1 model)."""

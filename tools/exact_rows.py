@@ -173,8 +173,9 @@ def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0,
     results = []
     try:
         for graph in model.graphs:
-            if graph.tokens == 1 and graph.batch is None or graph.context not in decode or graph.tokens + 3 > graph.context:
-                continue  # (a row step graph of T=1 is compared with the batch's decode rows too)
+            reference = graph.tokens == 1 and graph.batch is None  # a row step graph of T=1 is compared too
+            if reference or graph.context not in decode or graph.tokens + 3 > graph.context:
+                continue
             T, S = graph.tokens, graph.context
             start = S - T - 3
             tokens = driver.rng.integers(0, d.vocab_size, (d.batch, T))
