@@ -37,6 +37,19 @@ class _StepBuffers:
         self.step_mask = np.broadcast_to(self.causal, (B, T, T)).copy() if step_mask else None
 
 
+def _bind(session, buffers: _StepBuffers, keys: list[np.ndarray], values: list[np.ndarray], cache_len: np.ndarray,
+          step_mask: np.ndarray | None = None) -> None:
+    """Bind a session to its I/O buffers and to the cache buffers it reads (the batch's, or one row's slices)."""
+    inputs = {C.INPUT_IDS: buffers.input_ids, C.POSITION_IDS: buffers.position_ids, C.CACHE_LEN: cache_len}
+    if step_mask is not None:
+        inputs[C.STEP_MASK] = step_mask
+    outputs = {} if buffers.logits is None else {C.LOGITS: buffers.logits}
+    for i in range(len(keys)):
+        inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i], values[i]
+        outputs[C.new_key(i)], outputs[C.new_value(i)] = buffers.new_kv[0, i], buffers.new_kv[1, i]
+    session.bind(inputs, outputs)
+
+
 class _Step:
     """One bound step session: T tokens in, logits (step role) and new K/V out."""
 
@@ -45,18 +58,10 @@ class _Step:
         self.tokens, self.role = graph.tokens, graph.role
         self.input_ids, self.position_ids = buffers.input_ids, buffers.position_ids
         self.logits, self.new_kv = buffers.logits, buffers.new_kv
-        inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids, C.CACHE_LEN: cache.length}
         self.step_mask = None
         if graph.step_mask:  # a tree run fills it; a chain (which runs in a tree graph too) gets `causal`
             self.causal, self.step_mask = buffers.causal, buffers.step_mask
-            inputs[C.STEP_MASK] = self.step_mask
-        outputs = {}
-        if self.logits is not None:
-            outputs[C.LOGITS] = self.logits
-        for i in range(dims.num_layers):
-            inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i], values[i]
-            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_kv[0, i], self.new_kv[1, i]
-        session.bind(inputs, outputs)
+        _bind(session, buffers, keys[:dims.num_layers], values[:dims.num_layers], cache.length, self.step_mask)
         self.session = session
 
 
@@ -65,7 +70,7 @@ class _RowStep:
     cache per run: the row's slice of every buffer is contiguous, so the binding is zero-copy."""
 
     def __init__(self, session, graph: GraphEntry, buffers: _StepBuffers):
-        self.session, self.tokens, self.context = session, graph.tokens, graph.context
+        self.session, self.tokens, self.context, self.buffers = session, graph.tokens, graph.context, buffers
         self.input_ids, self.position_ids = buffers.input_ids, buffers.position_ids
         self.logits, self.new_kv = buffers.logits, buffers.new_kv
         self.row = None  # the row the session is bound to
@@ -74,15 +79,8 @@ class _RowStep:
         if self.row == row:
             return
         keys, values = cache.buffers(self.context)
-        inputs = {C.INPUT_IDS: self.input_ids, C.POSITION_IDS: self.position_ids,
-                  C.CACHE_LEN: cache.length[row:row + 1]}
-        outputs = {}
-        if self.logits is not None:
-            outputs[C.LOGITS] = self.logits
-        for i in range(len(keys)):
-            inputs[C.past_key(i)], inputs[C.past_value(i)] = keys[i][row:row + 1], values[i][row:row + 1]
-            outputs[C.new_key(i)], outputs[C.new_value(i)] = self.new_kv[0, i], self.new_kv[1, i]
-        self.session.bind(inputs, outputs)
+        _bind(self.session, self.buffers, [k[row:row + 1] for k in keys], [v[row:row + 1] for v in values],
+              cache.length[row:row + 1])
         self.row = row
 
 
@@ -104,6 +102,7 @@ class ModelRunner:
         self._row_buffers: dict[tuple[str, int], _StepBuffers] = {}  # (role, T), shared by the row graphs' buckets
         self._graph_buckets: dict[tuple[str, int, bool, bool], list[int]] = {}  # (role, T, tree, row): buckets with it
         self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
+        self._row_step_tokens = frozenset(entry.row_step_tokens())  # read every batch round: not the manifest
         self._tree_sizes: list[int] = entry.tree_tokens()
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
@@ -250,11 +249,16 @@ class ModelRunner:
             for b, n in enumerate(counts):
                 if n:
                     snap_to_grid(step.logits[b, :n], self._logits_scale)
-        self._looked_up += sum(counts)
-        if self._looked_up >= LOOKUP_RELEASE_TOKENS:
-            self.release_lookup_pages()
+        self._count_lookups(sum(counts))
         self.cache.append(step.new_kv, counts)
         return step
+
+    def _count_lookups(self, n: int) -> None:
+        """A decode run fed n tokens, each an embedding row read from the mapped weights file: drop the mapped
+        pages every LOOKUP_RELEASE_TOKENS tokens."""
+        self._looked_up += n
+        if self._looked_up >= LOOKUP_RELEASE_TOKENS:
+            self.release_lookup_pages()
 
     def release_lookup_pages(self) -> None:
         """Drop the weights files' mapped pages (backend.release_lookup_pages). Runs read an embedding row per
@@ -391,8 +395,8 @@ class ModelRunner:
         bundle has one for each (version 4); else none, and a lone row runs in the batch's step graphs. Their
         sessions are made on first use, in the buckets and widths lone rows reach: each holds about 6 MB of
         its own (SmolLM2 int4), and a batch of rows that never runs alone needs none of them."""
-        rows = self.entry.row_step_tokens()
-        return list(self._step_sizes) if rows and set(self._step_sizes) <= set(rows) else []
+        rows = self._row_step_tokens
+        return list(self._step_sizes) if rows and rows.issuperset(self._step_sizes) else []
 
     def run_row(self, row: int, tokens: list[int]) -> np.ndarray:
         """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step
@@ -402,9 +406,7 @@ class ModelRunner:
         if T is None:
             raise ValueError(f"no row step graph holds {len(tokens)} tokens in row {row}'s free cache slots")
         step = self._run_row_graph(C.STEP, T, row, tokens)
-        self._looked_up += len(tokens)
-        if self._looked_up >= LOOKUP_RELEASE_TOKENS:
-            self.release_lookup_pages()
+        self._count_lookups(len(tokens))
         return step.logits[0]
 
     def prefill_reusing(self, tokens: list[int]) -> int:
