@@ -1,14 +1,16 @@
 """Serving numbers for a bundle: `specedge loadtest` at several concurrencies, and the TTFT of a follow-up
 chat turn with its prefix reused against the same request with nothing to reuse.
 
-    python benchmarks/serve_load.py BUNDLE [--batch-bundle BUNDLE_B4] [--concurrency 1,4,8] [--requests 16]
-                                    [--max-tokens 64] [--out DIR]
+    python benchmarks/serve_load.py BUNDLE [--batch-bundle BUNDLE_B4 [--lazy-row-steps]] [--concurrency 1,4,8]
+                                    [--requests 16] [--max-tokens 64] [--out DIR]
 
 Two servers run as subprocesses on loopback: A (default: conversations cached) and B (`--session-mb 0`: no
 stored conversation). The loadtests hit B, so a suite prompt seen before is not served from a stored
 conversation (only the chat template's shared system prompt is reused between consecutive requests). The TTFT comparison interleaves A and B per repetition: each
 sends turn 1 of a 500+ token conversation, B then serves an unrelated request (so its cache holds nothing
 of the conversation), and both serve the identical turn 2, streamed; the TTFT is the client's.
+With `--lazy-row-steps` the batch bundle is also loadtested by a server started with that flag, after the
+default one (whose start has filled the optimized-graph cache for both).
 """
 from __future__ import annotations
 
@@ -111,6 +113,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-bundle", help="also loadtest this bundle (exported with --batch B: continuous batching)")
+    ap.add_argument("--lazy-row-steps", action="store_true",
+                    help="also loadtest the batch bundle with a server that makes its row step sessions lazily")
     ap.add_argument("--proposer", default="ngram", help="the servers' default proposer (default ngram)")
     ap.add_argument("--gamma", default="8", help="the servers' default gamma (default 8)")
     ap.add_argument("--out", default=os.path.join(HERE, "serve"))
@@ -121,10 +125,11 @@ def main() -> int:
     server_b, url_b = start_server(a.bundle, *spec, "--session-mb", "0")
     try:
         loads = {"serial": loadtests(url_b, a)}
-        if a.batch_bundle:
-            server_c, url_c = start_server(a.batch_bundle, *spec, "--session-mb", "0")
+        batch_servers = [("batch", ())] + [("batch-lazy", ("--lazy-row-steps",))] * a.lazy_row_steps
+        for name, extra in batch_servers if a.batch_bundle else ():
+            server_c, url_c = start_server(a.batch_bundle, *spec, "--session-mb", "0", *extra)
             try:
-                loads["batch"] = loadtests(url_c, a)
+                loads[name] = loadtests(url_c, a)
             finally:
                 server_c.terminate()
                 server_c.wait(timeout=30)

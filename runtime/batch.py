@@ -105,6 +105,9 @@ class BatchRunner:
         # earlier outputs prompt lookup also drafts from (runtime/output_history.py); None: off
         self.output_history: OutputHistory | None = None
         self._gammas: set[int] = set()
+        # True: `warm` also makes the row step sessions lone rows use, in every bucket (a server: no request
+        # waits for one); False: each is made when a lone row first needs it (about 6 MB each, SmolLM2 int4)
+        self.eager_row_steps = False
 
     # -- rows in and out -----------------------------------------------------------------------------
     def check(self, prompts: list[list[int]], max_new_tokens: int, proposer: str, gamma: int,
@@ -202,7 +205,8 @@ class BatchRunner:
 
     def warm(self, gamma: int) -> None:
         """Load the verify graph a row with this gamma (0: plain decode) needs; T=1 and every gamma seen stay
-        loaded. Admitting a row does it; a server calls it first so that no request waits for it."""
+        loaded (and, with `eager_row_steps`, their row step graphs). Admitting a row does it; a server calls it
+        first so that no request waits for it."""
         if gamma in self._gammas:
             return
         self._gammas.add(gamma)
@@ -214,7 +218,7 @@ class BatchRunner:
         # a round's seconds depend on (bucket, T) only, so those measured before stay true for the wider set
         self.step_width.widths = sorted(steps)
         self.target.warm(_prefill_graphs(self.target) + [(C.STEP, t) for t in steps])
-        self.target.warm_rows()
+        self.target.warm_rows(steps=self.eager_row_steps)
         if self.draft is not None and gamma and not self.own_draft_cache:
             self.draft.warm([(C.STEP, t) for t in self.draft.use_steps([1])])
         elif self.draft is not None and gamma:  # T=2 feeds a fully accepted round's last draft with the pending token

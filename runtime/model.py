@@ -354,12 +354,14 @@ class ModelRunner:
         """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
         return self.entry.row_prefill_tokens()
 
-    def warm_rows(self) -> None:
-        """Create the row prefill sessions of every bucket."""
+    def warm_rows(self, steps: bool = False) -> None:
+        """Create the row prefill sessions of every bucket and, with `steps`, the row step sessions of the step
+        sizes in use (`row_step_sizes`)."""
+        graphs = [(C.PREFILL, t) for t in self.row_prefill_sizes] + [(C.STEP, t) for t in self.row_step_sizes if steps]
         for context in self.entry.buckets():
-            for t in self.row_prefill_sizes:
-                if self.entry.row_graph(C.PREFILL, t, context):
-                    self._row_step(C.PREFILL, t, context)
+            for role, t in graphs:
+                if self.entry.row_graph(role, t, context):
+                    self._row_step(role, t, context)
 
     def prefill_row(self, row: int, tokens: list[int]) -> int:
         """Put the first tokens of `tokens` in row `row`'s cache with one run of a batch-1 prefill graph (the

@@ -36,6 +36,8 @@ class ServerConfig:
     model_id: str | None = None  # default: the bundle's directory name
     history_tokens: int = 0  # > 0: prompt lookup also drafts from earlier completions (runtime/output_history.py)
     sampling_defaults: dict = field(default_factory=dict)  # what requests that leave a sampling field out get
+    # batch bundles: make the row step sessions that lone requests use when one first needs them, not at start
+    lazy_row_steps: bool = False
 
     @property
     def model(self) -> str:
@@ -56,6 +58,7 @@ def load_engine(config: ServerConfig) -> Engine:
         check_speculation(gen.manifest, gen.draft is not None, config.engine.proposer, config.engine.gamma)
         # Sessions are created on first use; create the default configuration's now, not in a request.
         if batched:
+            gen.runner.eager_row_steps = not config.lazy_row_steps
             gen.runner.warm(config.engine.gamma if config.engine.proposer != "none" else 0)
             return BatchEngine(gen, config.engine, config.model)
         gen.warm(config.engine.proposer, config.engine.gamma)

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from openai import APIStatusError, OpenAI
 
+from specedge.graphs import contract as C
 from specedge.serve.app import ServerConfig, create_app, load_engine
 from specedge.serve.engine import EngineConfig
 
@@ -40,9 +41,11 @@ def free_port(candidates: range | None = None) -> int:
 class Server:
     """uvicorn in a thread of the test process, on a free loopback port."""
 
-    def __init__(self, bundle: str, history_tokens: int = 0, sampling_defaults: dict | None = None, **engine_options):
+    def __init__(self, bundle: str, history_tokens: int = 0, sampling_defaults: dict | None = None,
+                 lazy_row_steps: bool = False, **engine_options):
         self.config = ServerConfig(bundle, threads=1, engine=EngineConfig(**engine_options), model_id=MODEL,
-                                   history_tokens=history_tokens, sampling_defaults=sampling_defaults or {})
+                                   history_tokens=history_tokens, sampling_defaults=sampling_defaults or {},
+                                   lazy_row_steps=lazy_row_steps)
         self.engine = load_engine(self.config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -777,3 +780,32 @@ def test_batch_server_disconnect_frees_the_row(batch_server):
         assert all(row is None for row in runner.rows) or len(runner.active) == 0
     finally:
         del runner.decode_step
+
+
+def row_step_sessions(runner) -> set[tuple[int, int]]:
+    return {(tokens, context) for role, tokens, context in runner.target._row_steps if role == C.STEP}
+
+
+def test_batch_server_makes_lone_row_sessions_at_start_unless_lazy(batch_server, oracle):
+    """A request alone on a batch bundle decodes through the batch-1 row step graphs (bundle format 4). A server
+    makes their sessions at start, so no request waits while one is made; with lazy_row_steps the first request
+    to need each one makes it."""
+    runner = batch_server.engine.gen.runner
+    every = {(t, c) for t in runner.target.row_step_sizes for c in runner.target.entry.buckets()}
+    assert runner.target.row_step_sizes == [1, 5]
+    assert row_step_sessions(runner) == every
+    lazy = Server(batch_server.config.bundle, proposer="ngram", gamma=4, max_tokens=24, lazy_row_steps=True)
+    try:
+        assert row_step_sessions(lazy.engine.gen.runner) == set()
+        messages = [{"role": "user", "content": words(90, 30)}]
+        want = expected(oracle, chat_ids(oracle, messages), 24)
+        for s in (batch_server, lazy):
+            made = s.engine.gen.target.sessions
+            r = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+            assert r.choices[0].message.content == want
+            if s is batch_server:
+                assert s.engine.gen.target.sessions == made  # nothing made in the request
+            else:
+                assert row_step_sessions(s.engine.gen.runner)  # the lone request made the ones it used
+    finally:
+        lazy.close()
