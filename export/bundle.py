@@ -40,7 +40,7 @@ class ExportOptions:
     step_mask: bool = False  # add the optional step_mask input to the step graphs (tree verification)
     tree_sizes: tuple[int, ...] = ()  # T of extra step graphs with step_mask: token trees of T-1 nodes
     quant: str = "none"  # weight-only quantization: none | int8 | int4
-    quant_block: int | None = None  # input rows per scale (default 32)
+    quant_block: int | None = None  # input rows per scale (default: graphs/quant.py DEFAULT_BLOCK)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
     quant_scheme: str | None = None  # symmetric (default) or offset (graphs/quant.py)
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime

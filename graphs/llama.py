@@ -268,9 +268,11 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
         offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
         found = [native(n) for n, _ in parts] if native else [None]
-        # A source's int4 blocks fit int8 exactly (same ints, same scales): widening loses nothing.
-        if all(b is not None and b.bits <= bits and b.block == quant.block and (offsets or b.offset is None)
+        # A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks
+        # that divide it (its scale repeated): neither loses anything.
+        if all(b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
                for b in found):
+            found = [b.split(quant.block) for b in found]
             for b in found:
                 b.bits = bits
             for b, (_, factor) in zip(found, parts):

@@ -8,8 +8,13 @@ Layout (the one onnxruntime, TensorRT and QNN all read): a MatMul weight W [K, N
 and the graph computes `MatMul(x, DequantizeLinear(W_q, W_scale, axis=0, block_size=block))`, standard ONNX
 at opset 21. onnxruntime rewrites that pair into its MatMulNBits kernel (int4 and, since 1.2x, int8); at
 accuracy level 4 (int8 activations, blockwise) that kernel computes every row of an M-row call bitwise like
-a one-row call (measured for M = 2..17, int4 and int8), which is what keeps speculative verification of k
-rows exactly equal to k one-row decode steps. At level 1 (float activations) rows differ in the last bits.
+a one-row call, which is what keeps speculative verification of k rows exactly equal to k one-row decode
+steps. At level 1 (float activations) rows differ in the last bits. Which kernel runs depends on the CPU: with
+AVX-512 one kernel takes every row count (measured for M = 2..17, int4 and int8, blocks of 32), but on AVX2-only
+x86 CPUs a one-row int4 product with blocks of 32 or more has a kernel of its own, whose rows differ from the
+multi-row kernel's (in SmolLM2's logits by up to 12 after 30 layers). int4 blocks of 16 and int8 blocks of any
+size take one kernel there too, so int4 defaults to blocks of 16 (`DEFAULT_BLOCK`); the runtime checks the
+machine it runs on (runtime/kernel_probe.py).
 
 The embedding table [V, E] is stored int8 in blocks along E (`Gather` of rows and of their scales, then a
 blocked `DequantizeLinear` on axis 1): a step reads B*T rows, so its format costs no speed, only bytes.
@@ -40,6 +45,10 @@ QUANT_SCHEMES = ("symmetric", "offset")
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two in 16..256: what MatMulNBits takes
 QUANT_OPSET = 21  # DequantizeLinear with block_size and int4 weights
 QUANT_IR_VERSION = 10  # the IR that introduced int4
+# int4: blocks of 16 are exact on every x86 kernel of onnxruntime (above), larger ones only with AVX-512. On an
+# AVX2 machine blocks of 16 cost about 0.75x the decode speed of blocks of 32 (whose rows are not exact there) and
+# gain 3 points of agreement with float32 (benchmarks/quant/README.md).
+DEFAULT_BLOCK = {4: 16, 8: 32}
 ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
 # onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
 # their residual Add into a float Gemm *before* the DequantizeLinear + MatMul -> MatMulNBits fusion runs,
@@ -98,7 +107,7 @@ def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: s
     if scheme not in QUANT_SCHEMES:
         raise ValueError(f"--quant-scheme must be one of {', '.join(QUANT_SCHEMES)}, not {scheme!r}")
     bits = int(mode[3:])
-    block = 32 if block is None else block
+    block = DEFAULT_BLOCK[bits] if block is None else block
     if block not in BLOCK_SIZES:
         raise ValueError(f"--quant-block must be a power of two in 16..256 ({', '.join(map(str, BLOCK_SIZES))}), not {block}")
     head = head or "int8"
@@ -220,6 +229,15 @@ class Blocks:
             offset = np.concatenate([p.offset if p.offset is not None else np.zeros_like(p.scale) for p in parts], axis=1)
         return Blocks(np.concatenate([p.q for p in parts], axis=1), np.concatenate([p.scale for p in parts], axis=1),
                       parts[0].bits, parts[0].block, offset)
+
+    def split(self, block: int) -> "Blocks":
+        """The same weights in blocks of `block` (a divisor of this block): each scale and offset repeated."""
+        if block == self.block:
+            return self
+        assert self.block % block == 0, (self.block, block)
+        times = self.block // block
+        offset = None if self.offset is None else np.repeat(self.offset, times, axis=0)
+        return Blocks(self.q, np.repeat(self.scale, times, axis=0), self.bits, block, offset)
 
     def dequantized(self) -> np.ndarray:
         w = dequantize_blocks(self.q, self.scale, self.block)

@@ -64,8 +64,9 @@ def _add_export(sub) -> None:
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
                    "copied as they are, other types are requantized and the error is reported (default none)")
     p.add_argument("--quant-block", type=int, default=None, metavar="N",
-                   help="input rows per quantization scale, a power of two in 16..256 (default 32; TensorRT's "
-                   "int4 import takes 64 or 128)")
+                   help="input rows per quantization scale, a power of two in 16..256 (default: 16 for int4, 32 for "
+                   "int8). int4 blocks of 32 or more are faster but their verify rows are exact only on CPUs with "
+                   "AVX-512; TensorRT's int4 import takes 64 or 128")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset}",

@@ -75,7 +75,8 @@ def test_quantize_blocks_rounds_to_nearest_on_a_symmetric_grid(bits, block, K, s
 
 def test_parse_quant_rejects_bad_values():
     assert Q.parse_quant("none", None) is None
-    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8)
+    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=16, head_bits=8)  # exact on AVX2 too
+    assert Q.parse_quant("int8", None) == Q.QuantSpec(bits=8, block=32, head_bits=8)
     for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2")]:
         with pytest.raises(ValueError):
             Q.parse_quant(*args)
@@ -92,7 +93,7 @@ def quant_bundles(tiny_models, tmp_path_factory):
         for mode in ("int8", "int4", "int4-offset"):
             bundle = str(root / f"{family}-{mode}")
             export_bundle(path, bundle, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant=mode[:4],
-                                                      quant_block=16 if family == "qwen3" else 32,
+                                                      quant_block=16 if family == "qwen3" else None,
                                                       quant_scheme=mode[5:] or None),
                           progress=False)
             out[family, mode] = bundle
@@ -347,10 +348,12 @@ def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | Non
     return src, made, [(t, name, src.blocks(name)) for t, name in found]
 
 
+@pytest.mark.parametrize("block", [32, 16])
 @pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
-def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits):
+def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits, block):
     """Q4_0 / Q8_0 tensors enter the ONNX layout without a dequantize/requantize round trip: their ints and
-    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives."""
+    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives. Into blocks of 16 (the
+    int4 default) each block of 32 is two blocks with its scale."""
     import gguf
 
     from specedge.graphs import llama
@@ -366,7 +369,7 @@ def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits):
             assert np.array_equal(got.T, gguf.quants.dequantize(t.data, t.tensor_type).reshape(got.T.shape))
 
     # through the exporter's weight writer: every matrix copied natively, none requantized, ints unchanged
-    spec = Q.QuantSpec(bits=bits, block=32, head_bits=bits)
+    spec = Q.QuantSpec(bits=bits, block=block, head_bits=bits)
     report = llama.QuantReport()
     stored = dict(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=spec, native=src.blocks,
                                       report=report))
@@ -374,7 +377,11 @@ def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits):
     assert not report.requantized and len(report.native) == 4 + 2
     down = stored["layers.0.down.q"]
     down = down.values() if bits == 4 else down
-    assert np.array_equal(down, src.blocks("model.layers.0.mlp.down_proj.weight").q)
+    source = src.blocks("model.layers.0.mlp.down_proj.weight")
+    assert np.array_equal(down, source.q)
+    scale = stored["layers.0.down.scale"]
+    assert scale.shape[0] == down.shape[0] // block
+    assert np.array_equal(down * np.repeat(scale, block, axis=0), source.q * np.repeat(source.scale, 32, axis=0))
 
 
 def test_gguf_q4_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
@@ -397,6 +404,15 @@ def test_gguf_q4_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
     assert not report.requantized and len(report.native) == 4 + 2  # the layer weights, the Q8_0 embedding and head
     assert np.array_equal(stored["layers.0.down.q"].values(), src.blocks("model.layers.0.mlp.down_proj.weight").q)
     assert {"embed.offset", "lm_head.offset"}.isdisjoint(stored) and "layers.0.qkv.offset" in stored
+    # into blocks of 16: each Q4_1 block is two, with its scale and offset
+    report = llama.QuantReport()
+    halves = dict(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(4, 16, 8, offsets=True),
+                                      native=src.blocks, report=report))
+    assert not report.requantized and len(report.native) == 4 + 2
+    for part in ("q", "scale", "offset"):
+        whole, half = stored[f"layers.0.down.{part}"], halves[f"layers.0.down.{part}"]
+        whole, half = (whole.values(), half.values()) if part == "q" else (whole, half)
+        assert np.array_equal(half, whole if part == "q" else np.repeat(whole, 2, axis=0)), part
     report = llama.QuantReport()
     list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(4, 32, 8), native=src.blocks,
                              report=report))
