@@ -12,6 +12,7 @@ import warnings
 
 from ..errors import SpecedgeWarning
 from ..graphs.manifest import Manifest
+from . import kernel_probe
 
 
 class InexactRowsWarning(SpecedgeWarning):
@@ -30,7 +31,13 @@ def unverified_rows(manifest: Manifest, backend: str) -> str | None:
     kind, dtype = flavour(manifest), manifest.target.dims.dtype
     if backend in ONNXRUNTIME_CPU:
         if kind == "portable" and dtype == "float32":  # quantized bundles included: their graphs compute float32
-            return None
+            inexact = kernel_probe.inexact_layouts(manifest.target.quant) if manifest.target.quant else []
+            if not inexact:
+                return None
+            return (f"onnxruntime's CPU kernels on this machine compute a one-row product of {' and '.join(inexact)} "
+                    "differently from a multi-row one (a kernel of its own on x86 CPUs without AVX-512); int4 in "
+                    "blocks of 16 (the int4 default) and int8 are exact here: re-export with "
+                    "--quant-block 16 or --quant int8")
         if kind == "qnn-qdq16":
             return "qnn-qdq16 graphs are for the HTP; onnxruntime's CPU kernels for them round rows differently"
         # measured on a tiny float16 bundle: 2.4e-4 to 4.9e-4 in the logits, in every verify graph with graph

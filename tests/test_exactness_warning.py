@@ -13,6 +13,7 @@ from conftest import CHUNK
 from specedge.cli import main
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs.manifest import load_manifest
+from specedge.runtime import kernel_probe
 from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.exactness import InexactRowsWarning, unverified_rows
 from specedge.runtime.generator import Generator
@@ -32,9 +33,10 @@ def fp16_bundles(tiny_models, tmp_path_factory):
     return out
 
 
-def _manifest(flavour: str, dtype: str) -> SimpleNamespace:
+def _manifest(flavour: str, dtype: str, quant: dict | None = None) -> SimpleNamespace:
     """What unverified_rows reads of a manifest."""
-    return SimpleNamespace(export={"flavour": flavour}, target=SimpleNamespace(dims=SimpleNamespace(dtype=dtype)))
+    return SimpleNamespace(export={"flavour": flavour},
+                           target=SimpleNamespace(dims=SimpleNamespace(dtype=dtype), quant=quant))
 
 
 @pytest.mark.parametrize("flavour,dtype,backend,verified", [
@@ -47,6 +49,58 @@ def test_which_rows_are_verified(flavour, dtype, backend, verified):
     """The table follows what the suite checks: float32 on the CPU (test_graph_parity, test_quant: every row
     exact, quantized bundles included), the QNN flavours on QNN (test_qnn, test_qnn_qdq)."""
     assert (unverified_rows(_manifest(flavour, dtype), backend) is None) == verified
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monkeypatch, alike):
+    """A quantized bundle's rows are exact on the CPU where onnxruntime's kernels compute a one-row product of
+    its layout like a multi-row one (runtime/kernel_probe.py asks the machine; here its answer is set)."""
+    asked = []
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: asked.append((bits, block)) or alike)
+    why = unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 32, "head_bits": 8}), "cpu")
+    assert sorted(asked) == [(4, 32), (8, 32)]
+    assert (why is None) == alike
+    if not alike:
+        assert "int4 in blocks of 32" in why and "--quant-block 16" in why
+
+
+@pytest.fixture(scope="module")
+def int4_bundles(tiny_models, tmp_path_factory):
+    """The tiny llama as int4 graphs in blocks of 32 and of 16 (the default)."""
+    root = tmp_path_factory.mktemp("int4")
+    out = {}
+    for block in (32, None):
+        out[block] = str(root / f"int4-{block}")
+        export_bundle(tiny_models["llama"][0], out[block], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,),
+                                                                         quant="int4", quant_block=block),
+                      progress=False)
+    return out
+
+
+def test_int4_rows_are_measured_on_this_machine(int4_bundles):
+    """Which kernel computes a one-row int4 product depends on the CPU: with AVX-512 one kernel takes every row
+    count; on AVX2-only x86 a one-row product in blocks of 32 has a kernel of its own. The probe's verdict for
+    blocks of 32 agrees with `specedge check`'s measurement of a bundle's rows, and speculation warns exactly
+    where they are not exact. Blocks of 16 (the default) are exact, and silent, on both kinds of x86."""
+    from specedge.tools.check import check_bundle
+
+    b32_alike = kernel_probe.rows_alike(4, 32)
+    print(f"int4 in blocks of 32 computes rows alike on this machine: {b32_alike}")
+    for block, exact in ((32, b32_alike), (None, True)):
+        report = check_bundle(int4_bundles[block])
+        assert [ok for ok, text in report.lines if "exact rows" in text] == [exact], report.render()
+        assert exact or "re-export with --quant-block 16" in report.render()
+        gen = Generator.load(int4_bundles[block])
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                res = gen.generate(PROMPT, 8, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
+        finally:
+            gen.close()
+        warned = [str(w.message) for w in caught if issubclass(w.category, InexactRowsWarning)]
+        assert len(warned) == (0 if exact else 1), warned
+        assert all("int4 in blocks of 32" in w and "--quant-block 16" in w for w in warned)
+        assert res.stats.proposed > 0
 
 
 def test_bundles_without_a_flavour_record_are_portable(tiny_bundle):

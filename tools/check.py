@@ -29,7 +29,8 @@ from ..errors import BundleError
 from ..graphs import contract as C
 from ..graphs.llama import MATRICES
 from ..graphs.manifest import GraphEntry, ModelEntry, load_manifest, read_index, weights_index_file
-from ..runtime.exactness import flavour
+from ..runtime import kernel_probe
+from ..runtime.exactness import ONNXRUNTIME_CPU, flavour
 
 _ONNX_TO_NP = {1: "float32", 10: "float16", 7: "int64", 6: "int32", 9: "bool", 3: "int8", 22: "int4", 2: "uint8",
                4: "uint16", 5: "int16"}
@@ -268,7 +269,12 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
                    + f" ({time.perf_counter() - started:.1f} s)")
     else:
         found = "; ".join(f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
-        report.add(False, f"{label}: {found} (speculative output would not equal plain output)")
+        why = ""
+        if model.quant and backend_name in ONNXRUNTIME_CPU:
+            layouts = kernel_probe.inexact_layouts(model.quant)
+            why = (f"; this CPU's onnxruntime computes one-row products of {' and '.join(layouts)} with a kernel of "
+                   "their own: re-export with --quant-block 16 or --quant int8") if layouts else ""
+        report.add(False, f"{label}: {found} (speculative output would not equal plain output{why})")
 
 
 def _check_logits_grid(bundle: str, name: str, model: ModelEntry, recorded: float | None, report: Report) -> None:

@@ -1,0 +1,108 @@
+"""Does this machine's onnxruntime compute a quantized product's rows alike at every row count?
+
+Exact greedy speculation on a quantized bundle rests on one property of onnxruntime's MatMulNBits kernel (the
+fusion of a blocked DequantizeLinear and a MatMul, graphs/quant.py): a row of an M-row product (a verify step's
+row) is bit for bit the same row computed alone (a decode step). Which kernel computes a product depends on the
+CPU, not on the graph. On x86 with AVX-512 one kernel takes every row count; on AVX2-only x86 CPUs (most laptop
+and desktop parts) onnxruntime 1.2x-1.3x computes a one-row int4 product with blocks of 32 or more through a
+kernel of its own, whose rows differ from the multi-row kernel's in the last bits, while int4 blocks of 16
+and every int8 block go through one kernel (measured on an AVX2 AMD EPYC, benchmarks/quant/README.md).
+
+So the runtime asks the machine: it runs one small product of the bundle's layout (random weights, K = 4
+blocks, N = 16) with 1, 2 and 5 rows in onnxruntime's CPU session, with the session settings the bundle's
+graphs run under, and compares the rows. The model is written here as ONNX protobuf bytes (the runtime does
+not depend on the onnx package). A few milliseconds, once per layout and process.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..graphs.quant import ORT_SESSION_CONFIG
+
+ROWS = (2, 5)  # multi-row products compared with one-row ones
+N = 16
+
+
+# -- the smallest protobuf writer that an ONNX model needs ---------------------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _bytes(field: int, value: bytes | str) -> bytes:
+    value = value.encode() if isinstance(value, str) else value
+    return _varint(field << 3 | 2) + _varint(len(value)) + value
+
+
+_FLOAT, _INT8, _INT4 = 1, 3, 22  # onnx.TensorProto data types
+
+
+def _tensor(name: str, dtype: int, dims: tuple[int, ...], raw: bytes) -> bytes:
+    return b"".join(_int(1, d) for d in dims) + _int(2, dtype) + _bytes(8, name) + _bytes(9, raw)
+
+
+def _value_info(name: str, dims: tuple[int, ...]) -> bytes:
+    shape = b"".join(_bytes(1, _int(1, d)) for d in dims)
+    return _bytes(1, name) + _bytes(2, _bytes(1, _int(1, _FLOAT) + _bytes(2, shape)))
+
+
+def _attribute_int(name: str, value: int) -> bytes:
+    return _bytes(1, name) + _int(3, value) + _int(20, 2)  # type INT
+
+
+def product_model(bits: int, block: int, rows: int, seed: int = 0) -> bytes:
+    """x [rows, K] @ DequantizeLinear(W [K, N] int`bits`, scale [K/block, N], axis 0, block_size) at opset 21,
+    with K = 4 blocks: the pattern onnxruntime fuses into MatMulNBits."""
+    rng = np.random.default_rng(seed)
+    K = 4 * block
+    low, high = (-8, 8) if bits == 4 else (-128, 128)
+    q = rng.integers(low, high, (K, N)).astype(np.int8)
+    scale = (rng.random((K // block, N)) * 0.02 + 0.001).astype(np.float32)
+    if bits == 4:  # two per byte, element i in byte i // 2, the low nibble first
+        flat = (q.reshape(-1) & 0x0F).astype(np.uint8)
+        raw, dtype = (flat[0::2] | (flat[1::2] << 4)).tobytes(), _INT4
+    else:
+        raw, dtype = q.tobytes(), _INT8
+    nodes = (_bytes(1, _bytes(1, "W") + _bytes(1, "S") + _bytes(2, "Wd") + _bytes(4, "DequantizeLinear")
+                    + _bytes(5, _attribute_int("axis", 0)) + _bytes(5, _attribute_int("block_size", block)))
+             + _bytes(1, _bytes(1, "x") + _bytes(1, "Wd") + _bytes(2, "y") + _bytes(4, "MatMul")))
+    graph = (nodes + _bytes(2, "probe") + _bytes(5, _tensor("W", dtype, (K, N), raw))
+             + _bytes(5, _tensor("S", _FLOAT, scale.shape, scale.tobytes()))
+             + _bytes(11, _value_info("x", (rows, K))) + _bytes(12, _value_info("y", (rows, N))))
+    opset = _bytes(1, "") + _int(2, 21)
+    return _int(1, 10) + _bytes(7, graph) + _bytes(8, opset)  # IR version 10: int4
+
+
+@functools.lru_cache(maxsize=None)
+def rows_alike(bits: int, block: int) -> bool:
+    """True when onnxruntime's CPU kernels on this machine compute every row of a 2- and 5-row product of this
+    layout bit for bit like the row alone."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    for key, value in ORT_SESSION_CONFIG.items():
+        options.add_session_config_entry(key, value)
+    run = {rows: ort.InferenceSession(product_model(bits, block, rows), options, providers=["CPUExecutionProvider"])
+           for rows in (1,) + ROWS}
+    x = np.random.default_rng(1).standard_normal((max(ROWS), 4 * block)).astype(np.float32)
+    alone = np.concatenate([run[1].run(None, {"x": x[i:i + 1]})[0] for i in range(max(ROWS))])
+    return all(np.array_equal(run[m].run(None, {"x": x[:m]})[0], alone[:m]) for m in ROWS)
+
+
+def inexact_layouts(quant: dict) -> list[str]:
+    """The weight layouts of a manifest's quant record (layers, head) whose rows differ between row counts on
+    this machine, in words; empty when every product is exact here."""
+    block = int(quant["block"])
+    kinds = sorted({int(quant["bits"]), int(quant["head_bits"])})
+    return [f"int{bits} in blocks of {block}" for bits in kinds if not rows_alike(bits, block)]
