@@ -792,7 +792,7 @@ def test_batch_server_makes_lone_row_sessions_at_start_unless_lazy(batch_server,
     to need each one makes it."""
     runner = batch_server.engine.gen.runner
     every = {(t, c) for t in runner.target.row_step_sizes for c in runner.target.entry.buckets()}
-    assert runner.target.row_step_sizes == [1, 5]
+    assert {1, 5} <= set(runner.target.row_step_sizes)  # and 9 once a request has asked for gamma 8
     assert row_step_sessions(runner) == every
     lazy = Server(batch_server.config.bundle, proposer="ngram", gamma=4, max_tokens=24, lazy_row_steps=True)
     try:

@@ -56,9 +56,12 @@ def test_batch_of_four_equals_batch_one_on_smollm2(int4):
     batch = BatchGenerator.load(b4, threads=2)
     try:
         for proposer in ("none", "ngram"):
-            results = batch.generate_batch(prompts, NEW, proposer=proposer, gamma=4, stop_ids=[])
+            # a fixed draft length: the adaptive step width may find that drafting does not pay for four rows
+            # (int4 in blocks of 16 on an AVX2 CPU: it never drafted) and the speculative path would not run
+            results = batch.generate_batch(prompts, NEW, proposer=proposer, gamma=4, stop_ids=[], adaptive=False)
             assert [r.tokens for r in results] == want, proposer
             if proposer == "ngram":
-                assert sum(r.stats.accepted for r in results) > 0
+                accepted, proposed = (sum(getattr(r.stats, k) for r in results) for k in ("accepted", "proposed"))
+                assert 0 < accepted < proposed
     finally:
         batch.close()
