@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from ..graphs.quant import ORT_SESSION_CONFIG
+from ..graphs.quant import ORT_SESSION_CONFIG, pack_int4
 
 ROWS = (2, 5)  # multi-row products compared with one-row ones
 N = 16
@@ -68,11 +68,7 @@ def product_model(bits: int, block: int, rows: int, seed: int = 0) -> bytes:
     low, high = (-8, 8) if bits == 4 else (-128, 128)
     q = rng.integers(low, high, (K, N)).astype(np.int8)
     scale = (rng.random((K // block, N)) * 0.02 + 0.001).astype(np.float32)
-    if bits == 4:  # two per byte, element i in byte i // 2, the low nibble first
-        flat = (q.reshape(-1) & 0x0F).astype(np.uint8)
-        raw, dtype = (flat[0::2] | (flat[1::2] << 4)).tobytes(), _INT4
-    else:
-        raw, dtype = q.tobytes(), _INT8
+    raw, dtype = (pack_int4(q).tobytes(), _INT4) if bits == 4 else (q.tobytes(), _INT8)
     nodes = (_bytes(1, _bytes(1, "W") + _bytes(1, "S") + _bytes(2, "Wd") + _bytes(4, "DequantizeLinear")
                     + _bytes(5, _attribute_int("axis", 0)) + _bytes(5, _attribute_int("block_size", block)))
              + _bytes(1, _bytes(1, "x") + _bytes(1, "Wd") + _bytes(2, "y") + _bytes(4, "MatMul")))
