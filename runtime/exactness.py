@@ -31,13 +31,7 @@ def unverified_rows(manifest: Manifest, backend: str) -> str | None:
     kind, dtype = flavour(manifest), manifest.target.dims.dtype
     if backend in ONNXRUNTIME_CPU:
         if kind == "portable" and dtype == "float32":  # quantized bundles included: their graphs compute float32
-            inexact = kernel_probe.inexact_layouts(manifest.target.quant) if manifest.target.quant else []
-            if not inexact:
-                return None
-            return (f"onnxruntime's CPU kernels on this machine compute a one-row product of {' and '.join(inexact)} "
-                    "differently from a multi-row one (a kernel of its own on x86 CPUs without AVX-512); int4 in "
-                    "blocks of 16 (the int4 default) and int8 are exact here: re-export with "
-                    "--quant-block 16 or --quant int8")
+            return kernel_probe.why_inexact(manifest.target.quant) if manifest.target.quant else None
         if kind == "qnn-qdq16":
             return "qnn-qdq16 graphs are for the HTP; onnxruntime's CPU kernels for them round rows differently"
         # measured on a tiny float16 bundle: 2.4e-4 to 4.9e-4 in the logits, in every verify graph with graph
@@ -57,6 +51,7 @@ def warn_if_unverified(manifest: Manifest, backend: str, bundle: str) -> None:
     why = unverified_rows(manifest, backend)
     if why is None:
         return
-    warnings.warn(f"speculation on backend {backend} is not known to be exact for this bundle: {why}. At a near "
-                  f"tie its output can differ from plain decode; `specedge check {bundle} --backend {backend} "
-                  f"--exact-rows` measures its rows", InexactRowsWarning, stacklevel=2)
+    warnings.warn(f"speculation on backend {backend} is not known to be exact for this bundle: {why}. Its output "
+                  "can differ from plain decode wherever the top two logits are closer than the rows' difference; "
+                  f"`specedge check {bundle} --backend {backend} --exact-rows` measures its rows",
+                  InexactRowsWarning, stacklevel=2)

@@ -61,7 +61,7 @@ def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monke
     assert sorted(asked) == [(4, 32), (8, 32)]
     assert (why is None) == alike
     if not alike:
-        assert "int4 in blocks of 32" in why and "--quant-block 16" in why
+        assert "int4 in blocks of 32" in why and "--quant int8" in why and "--quant-block 16" in why
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_int4_rows_are_measured_on_this_machine(int4_bundles):
     for block, exact in ((32, b32_alike), (None, True)):
         report = check_bundle(int4_bundles[block])
         assert [ok for ok, text in report.lines if "exact rows" in text] == [exact], report.render()
-        assert exact or "re-export with --quant-block 16" in report.render()
+        assert exact or "re-export with --quant int8" in report.render()
         gen = Generator.load(int4_bundles[block])
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -99,7 +99,7 @@ def test_int4_rows_are_measured_on_this_machine(int4_bundles):
             gen.close()
         warned = [str(w.message) for w in caught if issubclass(w.category, InexactRowsWarning)]
         assert len(warned) == (0 if exact else 1), warned
-        assert all("int4 in blocks of 32" in w and "--quant-block 16" in w for w in warned)
+        assert all("int4 in blocks of 32" in w and "--quant int8" in w for w in warned)
         assert res.stats.proposed > 0
 
 

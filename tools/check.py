@@ -271,9 +271,8 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
         found = "; ".join(f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
         why = ""
         if model.quant and backend_name in ONNXRUNTIME_CPU:
-            layouts = kernel_probe.inexact_layouts(model.quant)
-            why = (f"; this CPU's onnxruntime computes one-row products of {' and '.join(layouts)} with a kernel of "
-                   "their own: re-export with --quant-block 16 or --quant int8") if layouts else ""
+            reason = kernel_probe.why_inexact(model.quant)
+            why = f"; {reason}" if reason else ""
         report.add(False, f"{label}: {found} (speculative output would not equal plain output{why})")
 
 
