@@ -64,6 +64,23 @@ def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monke
         assert "int4 in blocks of 32" in why and "--quant int8" in why and "--quant-block 16" in why
 
 
+@pytest.mark.parametrize("alike", [True, False])
+def test_export_notes_a_layout_this_machine_computes_inexactly(tiny_models, tmp_path, monkeypatch, capsys, alike):
+    """`specedge export` says at once when the machine it runs on would not compute the new bundle's rows
+    alike (the probe's answer set here both ways); the bundle is written all the same."""
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: alike or bits == 8)
+    out = tmp_path / "int4-32"
+    assert main(["export", "--target", tiny_models["llama"][0], "--out", str(out), "--context", "64", "--gamma", "2",
+                 "--prefill-chunk", str(CHUNK), "--quant", "int4", "--quant-block", "32", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert (out / "manifest.json").exists()
+    if alike:
+        assert "note:" not in err
+    else:
+        assert "speculation on target will not be exact here" in err
+        assert "int4 in blocks of 32" in err and "int8 in" not in err and "--quant int8" in err
+
+
 @pytest.fixture(scope="module")
 def int4_bundles(tiny_models, tmp_path_factory):
     """The tiny llama as int4 graphs in blocks of 32 and of 16 (the default)."""
