@@ -6,7 +6,9 @@ row) is bit for bit the same row computed alone (a decode step). Which kernel co
 CPU, not on the graph. On x86 with AVX-512 one kernel takes every row count; on AVX2-only x86 CPUs (most laptop
 and desktop parts) onnxruntime 1.2x-1.3x computes a one-row int4 product with blocks of 32 or more through a
 kernel of its own, whose rows differ from the multi-row kernel's in the last bits, while int4 blocks of 16
-and every int8 block go through one kernel (measured on an AVX2 AMD EPYC, benchmarks/quant/README.md).
+and every int8 block go through one kernel (measured on an AVX2 AMD EPYC, benchmarks/quant/README.md). On
+aarch64 (emulated, benchmarks/arm/README.md) int4 in blocks of 16 differs in tiles of four rows, and on cores
+without the int8 dot product every int4 block does; int8 was alike on every CPU measured.
 
 So the runtime asks the machine: it runs one small product of the bundle's layout (random weights, K = 4
 blocks, N = 16) with 1, 2 and 5 rows in onnxruntime's CPU session, with the session settings the bundle's
@@ -19,7 +21,7 @@ import functools
 
 import numpy as np
 
-from ..graphs.quant import ORT_SESSION_CONFIG, pack_int4
+from ..graphs.quant import BLOCK_SIZES, DEFAULT_BLOCK, ORT_SESSION_CONFIG, pack_int4
 
 ROWS = (2, 5)  # multi-row products compared with one-row ones
 N = 16
@@ -104,15 +106,26 @@ def inexact_layouts(quant: dict) -> list[str]:
     return [f"int{bits} in blocks of {block}" for bits in kinds if not rows_alike(bits, block)]
 
 
+def exact_choices() -> list[str]:
+    """Export flags of the quantized layouts whose rows are alike on this machine: int8 in its default block,
+    and int4 in the smallest such block (the closest to float32)."""
+    choices = ["--quant int8"] if rows_alike(8, DEFAULT_BLOCK[8]) else []
+    block = next((b for b in BLOCK_SIZES if rows_alike(4, b)), None)
+    if block is not None:
+        choices.append(f"--quant int4 --quant-block {block}")
+    return choices
+
+
 def why_inexact(quant: dict) -> str | None:
     """Why a bundle with this quant record is not exact on this machine and what to export instead, in words for
     a warning or a check line; None when every product of its layout computes rows alike here."""
     layouts = inexact_layouts(quant)
     if not layouts:
         return None
-    # int8 first: on the AVX2 machine of benchmarks/quant/README.md it decodes as fast as int4 in blocks of 16,
-    # with a weights file about as large, and agrees with float32 on 95.7% of positions against 73.8%.
-    return (f"onnxruntime's CPU kernels on this machine compute a one-row product of {' and '.join(layouts)} with a "
-            "kernel of their own (x86 CPUs without AVX-512), so a verify row is not a decode row; exact here: "
-            "re-export with --quant int8 (measured on AVX2 as fast as int4 in blocks of 16, and much closer to "
-            "float32) or with --quant-block 16")
+    # int8 first: where it is exact it is the safer choice (on an AVX2-only CPU it decoded as fast as int4 in
+    # blocks of 16 and agrees with float32 on 95.7% of positions against 73.8%, benchmarks/quant/README.md).
+    choices = exact_choices()
+    instead = (f"exact here: re-export with {' or '.join(choices)}" if choices else
+               "no quantized layout tried is exact here: a float32 bundle is")
+    return (f"onnxruntime's CPU kernels on this machine compute the rows of a product of {' and '.join(layouts)} "
+            f"differently at different row counts, so a verify row is not a decode row; {instead}")
