@@ -4,6 +4,7 @@
 # CPU's features), with IEEE float semantics; it says nothing about speed. Usage: rows_under_qemu.sh [DIR]
 set -euo pipefail
 DIR=${1:-/tmp/arm}
+shift || true
 HERE=$(cd "$(dirname "$0")" && pwd)
 ORT=${ORT_VERSION:-1.32.0}
 mkdir -p "$DIR/debs" "$DIR/root/proc" "$DIR/site" "$DIR/wheels"
@@ -15,6 +16,16 @@ dpkg --print-foreign-architectures | grep -q arm64 || { dpkg --add-architecture 
 for deb in "$DIR"/debs/*.deb; do dpkg -x "$deb" "$DIR/root"; done
 pip download -q --only-binary=:all: --no-deps --python-version 3.11 --platform manylinux_2_28_aarch64 \
     -d "$DIR/wheels" "onnxruntime==$ORT" numpy
+if [ $# -gt 0 ]; then  # specedge itself (check imports onnx), laid out as its installed package
+    ONNX=${ONNX_VERSION:-$(python3 -c "import onnx; print(onnx.__version__)" 2> /dev/null || true)}
+    pip download -q --only-binary=:all: --no-deps --python-version 3.11 --platform manylinux_2_28_aarch64 \
+        --platform manylinux2014_aarch64 --platform any -d "$DIR/wheels" "onnx${ONNX:+==$ONNX}" protobuf ml_dtypes \
+        typing_extensions
+    REPO=$(cd "$HERE/../.." && pwd)
+    rm -rf "$DIR/pkg" && mkdir -p "$DIR/pkg/specedge"
+    ln -s "$REPO"/specedge/*.py "$DIR/pkg/specedge/"
+    for part in export graphs runtime tools serve; do ln -s "$REPO/$part" "$DIR/pkg/specedge/$part"; done
+fi
 for wheel in "$DIR"/wheels/*.whl; do python3 -m zipfile -e "$wheel" "$DIR/site"; done
 
 # qemu-user shows the host's /proc/cpuinfo; onnxruntime reads the core's features there, so each core gets its
@@ -32,6 +43,8 @@ for core in "cortex-a76:$DOT:0xd0b" "neoverse-n1:$DOT:0xd0c" "cortex-a72:$BASE:0
     IFS=: read -r model features part <<< "$core"
     cpuinfo "$features" "$part"
     echo "== $model"
-    QEMU_CPU=$model PYTHONHOME=/usr PYTHONPATH="$DIR/site" \
-        qemu-aarch64-static -L "$DIR/root" "$DIR/root/usr/bin/python3.11" "$HERE/rows_probe.py"
+    run=(env QEMU_CPU="$model" PYTHONHOME=/usr PYTHONPATH="$DIR/pkg:$DIR/site"
+         qemu-aarch64-static -L "$DIR/root" "$DIR/root/usr/bin/python3.11")
+    "${run[@]}" "$HERE/rows_probe.py"
+    if [ $# -gt 0 ]; then "${run[@]}" "$HERE/model_check.py" "$@"; fi
 done
