@@ -109,9 +109,9 @@ def _run_export(a) -> int:
 
 
 def _note_machine_rows(name: str, model, manifest) -> None:
-    """A quantized CPU bundle whose layout this machine computes differently at one row (int4 in blocks of >= 32 on
-    AVX2-only x86) is said to be inexact at export, where the user can still choose another layout, not only at
-    the first speculative run."""
+    """A quantized CPU bundle whose layout this machine computes differently at different row counts (int4 in
+    blocks of >= 32 on AVX2-only x86, of 16 on aarch64) is said to be inexact at export, where the user can still
+    choose another layout, not only at the first speculative run."""
     from .runtime import kernel_probe
     from .runtime.exactness import flavour
 

@@ -73,7 +73,7 @@ def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monke
 
 def test_the_advice_follows_what_the_machine_computes_alike(monkeypatch):
     """On a CPU where int4 in blocks of 16 is the layout that differs (onnxruntime 1.32's aarch64 kernels, under
-    emulation: benchmarks/quant/README.md), the advice is blocks of 32; where no layout is alike, float32."""
+    emulation: benchmarks/arm/README.md), the advice is blocks of 32; where no layout is alike, float32."""
     monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: (bits, block) != (4, 16))
     why = kernel_probe.why_inexact({"bits": 4, "block": 16, "head_bits": 8})
     assert "int4 in blocks of 16" in why and why.endswith("--quant int8 or --quant int4 --quant-block 32")
