@@ -163,6 +163,10 @@ def _add_sampling(p) -> None:
                    help="where drafts come from: the bundle's draft model, prompt lookup (ngram), or none (plain "
                    "decode). Default: draft when the bundle has one, else ngram")
     p.add_argument("--gamma", type=int, default=4, help="drafts per round; needs a T=gamma+1 verify graph (default 4)")
+    p.add_argument("--fixed-gamma", action="store_true",
+                   help="propose gamma drafts every round: no pause after misses, no cut to what a step is measured to "
+                   "pay for (the default adapts; greedy output is the same either way, only the speed and the accepted "
+                   "counts change)")
     p.add_argument("--tree", type=int, default=0, metavar="T",
                    help="verify token trees of up to T-1 nodes (the chain of gamma drafts plus alternatives) in the "
                    "bundle's tree graph T (export --tree T); default 0: chains")
@@ -296,7 +300,7 @@ def _run_generate_batch(a) -> int:
         results = gen.generate_batch(prompts, max_new_tokens=a.max_new_tokens, proposer=a.proposer or "ngram",
                                      gamma=a.gamma, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                                      seed=a.seed, min_new_tokens=a.min_new_tokens, logprobs=a.logprobs,
-                                     stop=a.stop, **_extra_sampling(a))
+                                     stop=a.stop, adaptive=not a.fixed_gamma, **_extra_sampling(a))
     finally:
         gen.close()
     for i, r in enumerate(results):
@@ -343,7 +347,7 @@ def _run_generate(a) -> int:
     stats = Stats()
     kwargs = dict(max_new_tokens=a.max_new_tokens, proposer=proposer, gamma=a.gamma, tree=a.tree,
                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stats=stats,
-                  min_new_tokens=a.min_new_tokens, **_extra_sampling(a))
+                  min_new_tokens=a.min_new_tokens, adaptive=not a.fixed_gamma, **_extra_sampling(a))
     entries = None
     if a.logprobs is not None:
         entries = []

@@ -326,3 +326,32 @@ def test_python_api_backend_gives_the_same_tokens(tiny_bundle, gen):
                 gen.generate(prompt, NEW, proposer=proposer, gamma=4, stop_ids=[]).tokens, proposer
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_generate_cli_fixed_gamma_turns_adaptation_off(tiny_bundle, tmp_path, monkeypatch, capsys, batch, fixed):
+    """`specedge generate --fixed-gamma` reaches the loop as adaptive=False, one prompt or --prompts."""
+    import json
+
+    from specedge.cli import main
+    from specedge.runtime.batch import BatchGenerator
+
+    seen = []
+    for cls, name in ((Generator, "stream"), (BatchGenerator, "generate_batch")):
+        original = getattr(cls, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            seen.append(kwargs["adaptive"])
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, spy)
+    args = ["generate", tiny_bundle, "--proposer", "ngram", "--gamma", "2", "--max-new-tokens", "6", "--json"]
+    if batch:
+        path = tmp_path / "p.jsonl"
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": "t1 t2 t1 t2"}]}) + "\n")
+        args += ["--prompts", str(path)]
+    else:
+        args += ["--prompt-ids", "5,6,7,5,6,7,5"]
+    assert main(args + (["--fixed-gamma"] if fixed else [])) == 0
+    assert seen and all(adaptive is not fixed for adaptive in seen)
+    capsys.readouterr()
