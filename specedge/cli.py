@@ -104,22 +104,21 @@ def _run_export(a) -> int:
             print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
                   f"{src['requantized']} requantized{error}")
-            _note_machine_rows(name, model, m)
+            _note_machine_rows(name, model)
     return 0
 
 
-def _note_machine_rows(name: str, model, manifest) -> None:
-    """A quantized CPU bundle whose layout this machine computes differently at different row counts (int4 in
-    blocks of >= 32 on AVX2-only x86, of 16 on aarch64) is said to be inexact at export, where the user can still
-    choose another layout, not only at the first speculative run."""
+def _note_machine_rows(name: str, model) -> None:
+    """A quantized bundle (always the portable flavour in float32: export refuses --quant with the others) whose
+    layout this machine computes differently at different row counts (int4 in blocks of >= 32 on AVX2-only x86,
+    of 16 on aarch64) is said to be inexact at export, where the user can still choose another layout, not only
+    at the first speculative run."""
     from .runtime import kernel_probe
-    from .runtime.exactness import flavour
 
-    if flavour(manifest) == "portable" and model.dims.dtype == "float32":
-        why = kernel_probe.why_inexact(model.quant)
-        if why:
-            sys.stdout.flush()
-            print(f"specedge export: note: speculation on {name} will not be exact here: {why}", file=sys.stderr)
+    why = kernel_probe.why_inexact(model.quant)
+    if why:
+        sys.stdout.flush()
+        print(f"specedge export: note: speculation on {name} will not be exact here: {why}", file=sys.stderr)
 
 
 def _add_check(sub) -> None:
