@@ -12,9 +12,10 @@ a one-row call, which is what keeps speculative verification of k rows exactly e
 steps. At level 1 (float activations) rows differ in the last bits. Which kernel runs depends on the CPU: with
 AVX-512 one kernel takes every row count (measured for M = 2..17, int4 and int8, blocks of 32), but on AVX2-only
 x86 CPUs a one-row int4 product with blocks of 32 or more has a kernel of its own, whose rows differ from the
-multi-row kernel's (in SmolLM2's logits by up to 12 after 30 layers). int4 blocks of 16 and int8 blocks of any
-size take one kernel there too, so int4 defaults to blocks of 16 (`DEFAULT_BLOCK`); the runtime checks the
-machine it runs on (runtime/kernel_probe.py).
+multi-row kernel's (in SmolLM2's logits by up to 12 after 30 layers), while int4 blocks of 16 and int8 blocks
+of any size take one kernel there too. A block of 32 is two blocks of 16 with the same scale, so the runtime loads
+int4 products re-blocked into 16 on such a CPU (runtime/reblock.py: the same weights, exact rows). It asks the
+machine it runs on which blocks are alike (runtime/kernel_probe.py).
 
 The embedding table [V, E] is stored int8 in blocks along E (`Gather` of rows and of their scales, then a
 blocked `DequantizeLinear` on axis 1): a step reads B*T rows, so its format costs no speed, only bytes.
@@ -45,10 +46,10 @@ QUANT_SCHEMES = ("symmetric", "offset")
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two in 16..256: what MatMulNBits takes
 QUANT_OPSET = 21  # DequantizeLinear with block_size and int4 weights
 QUANT_IR_VERSION = 10  # the IR that introduced int4
-# int4: blocks of 16 are exact on every x86 kernel of onnxruntime (above), larger ones only with AVX-512. On an
-# AVX2 machine blocks of 16 cost about 0.75x the decode speed of blocks of 32 (whose rows are not exact there) and
-# gain 3 points of agreement with float32 (benchmarks/quant/README.md).
-DEFAULT_BLOCK = {4: 16, 8: 32}
+# int4 in blocks of 32: exact with AVX-512 and on ARM cores with the int8 dot product (emulated), where blocks of
+# 16 are not; loaded as blocks of 16 on AVX2-only x86 (above). Blocks of 16 agree with float32 on 3 points more
+# positions and cost 15% more bytes (benchmarks/quant/README.md, "Re-blocking at load").
+DEFAULT_BLOCK = {4: 32, 8: 32}
 ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
 # onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
 # their residual Add into a float Gemm *before* the DequantizeLinear + MatMul -> MatMulNBits fusion runs,

@@ -13,11 +13,14 @@ without the int8 dot product every int4 block does; int8 was alike on every CPU 
 So the runtime asks the machine: it runs one small product of the bundle's layout (random weights, K = 4
 blocks, N = 16) with 1, 2 and 5 rows in onnxruntime's CPU session, with the session settings the bundle's
 graphs run under, and compares the rows. The model is written here as ONNX protobuf bytes (the runtime does
-not depend on the onnx package). A few milliseconds, once per layout and process.
+not depend on the onnx package). A few milliseconds, once per layout and process. Where the bundle's int4
+block differs and a smaller block that divides it does not, the CPU backends load the bundle's int4 products
+in that block (load_block; runtime/reblock.py rewrites the graphs, the weights stay as they are).
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import numpy as np
 
@@ -98,12 +101,33 @@ def rows_alike(bits: int, block: int) -> bool:
     return all(np.array_equal(run[m].run(None, {"x": x[:m]})[0], alone[:m]) for m in ROWS)
 
 
+def exact_block(bits: int, block: int) -> int:
+    """`block` where this machine computes the rows of that layout alike; else the largest block that divides it
+    and is alike (a bundle's int4 products can be loaded in it unchanged: runtime/reblock.py); else `block`."""
+    if rows_alike(bits, block):
+        return block
+    return next((b for b in sorted(BLOCK_SIZES, reverse=True) if b < block and block % b == 0 and rows_alike(bits, b)),
+                block)
+
+
+def load_block(quant: dict | None) -> int | None:
+    """The block onnxruntime's CPU backends load the int4 products of a bundle with this quant record in, when it
+    is not the bundle's own: its exact_block, where that differs and the onnx package (which the graph rewrite
+    needs) is installed. None for bundles without int4 products and wherever the bundle's block is used as is."""
+    if not quant or 4 not in (int(quant["bits"]), int(quant["head_bits"])):
+        return None
+    block = exact_block(4, int(quant["block"]))
+    return block if block != int(quant["block"]) and importlib.util.find_spec("onnx") is not None else None
+
+
 def inexact_layouts(quant: dict) -> list[str]:
     """The weight layouts of a manifest's quant record (layers, head) whose rows differ between row counts on
-    this machine, in words; empty when every product is exact here."""
+    this machine as its CPU backends load them (int4 re-blocked where load_block says so), in words; empty when
+    every product is exact here."""
     block = int(quant["block"])
+    loaded = {4: load_block(quant) or block, 8: block}
     kinds = sorted({int(quant["bits"]), int(quant["head_bits"])})
-    return [f"int{bits} in blocks of {block}" for bits in kinds if not rows_alike(bits, block)]
+    return [f"int{bits} in blocks of {loaded[bits]}" for bits in kinds if not rows_alike(bits, loaded[bits])]
 
 
 def exact_choices() -> list[str]:
@@ -127,5 +151,10 @@ def why_inexact(quant: dict) -> str | None:
     choices = exact_choices()
     instead = (f"exact here: re-export with {' or '.join(choices)}" if choices else
                "no quantized layout tried is exact here: a float32 bundle is")
+    smaller = exact_block(4, int(quant["block"]))
+    if any(layout.startswith("int4") for layout in layouts) and smaller != int(quant["block"]):
+        # the runtime would have re-blocked it, had it the onnx package
+        instead += (f" (or pip install onnx: the runtime then loads its int4 products in blocks of {smaller}, "
+                    "exact here)")
     return (f"onnxruntime's CPU kernels on this machine compute the rows of a product of {' and '.join(layouts)} "
             f"differently at different row counts, so a verify row is not a decode row; {instead}")

@@ -138,7 +138,7 @@ class ModelRunner:
             raise BundleError(f"graph file missing: {path}")
         try:
             return self._backend.load(path, os.path.join(self.bundle_dir, self.entry.weights),
-                                      config=self.entry.session_config)
+                                      config=self.entry.session_config, quant=self.entry.quant)
         except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
             raise
         except BackendError as e:

@@ -64,9 +64,10 @@ def _add_export(sub) -> None:
                    "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
                    "copied as they are, other types are requantized and the error is reported (default none)")
     p.add_argument("--quant-block", type=int, default=None, metavar="N",
-                   help="input rows per quantization scale, a power of two in 16..256 (default: 16 for int4, 32 for "
-                   "int8). int4 blocks of 32 or more are faster but their verify rows are exact only on CPUs with "
-                   "AVX-512; TensorRT's int4 import takes 64 or 128")
+                   help="input rows per quantization scale, a power of two in 16..256 (default 32). Smaller blocks "
+                   "are closer to float32 and larger; where a CPU computes int4 in the bundle's block inexactly (AVX2-"
+                   "only x86: 32 or more), the runtime loads it in blocks of 16, the same weights; TensorRT's int4 "
+                   "import takes 64 or 128")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset}",
@@ -110,8 +111,9 @@ def _run_export(a) -> int:
 
 def _note_machine_rows(name: str, model) -> None:
     """A quantized bundle (always the portable flavour in float32: export refuses --quant with the others) whose
-    layout this machine computes differently at different row counts (int4 in blocks of >= 32 on AVX2-only x86,
-    of 16 on aarch64) is said to be inexact at export, where the user can still choose another layout, not only
+    layout this machine computes differently at different row counts, even as the runtime would load it (int4 in
+    blocks of 16 on aarch64; on AVX2-only x86 blocks of 32 or more are loaded as 16: runtime/reblock.py) is said
+    to be inexact at export, where the user can still choose another layout, not only
     at the first speculative run."""
     from .runtime import kernel_probe
 

@@ -3,6 +3,7 @@ runs, and says so once: float16 graphs on onnxruntime's CPU kernels, the portabl
 suite cannot run. Where the suite proves the rows exact (float32 on the CPU, the QNN flavours on QNN), nothing."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
 import warnings
@@ -56,19 +57,37 @@ def test_which_rows_are_verified(flavour, dtype, backend, verified):
 @pytest.mark.parametrize("alike", [True, False])
 def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monkeypatch, alike):
     """A quantized bundle's rows are exact on the CPU where onnxruntime's kernels compute a one-row product of
-    its layout like a multi-row one (runtime/kernel_probe.py asks the machine; here its answer is set)."""
+    its layout like a multi-row one (runtime/kernel_probe.py asks the machine; here its answer is set), as the
+    backend loads it: int4 in blocks of 32 where only blocks of 16 are alike is loaded re-blocked into 16."""
     asked = []
 
-    def rows_alike(bits, block):  # with alike False: only int4 in blocks of 32 and 64 differ here
+    def rows_alike(bits, block):  # with alike False: int4 is alike in blocks of 16 only
         asked.append((bits, block))
-        return alike or (bits, block) not in ((4, 32), (4, 64))
+        return alike or bits == 8 or block == 16
     monkeypatch.setattr(kernel_probe, "rows_alike", rows_alike)
-    why = unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 32, "head_bits": 8}), "cpu")
-    assert {(4, 32), (8, 32)} <= set(asked)
-    assert (why is None) == alike
-    if not alike:  # what to export instead is what the machine computes alike: int8, int4 in its smallest block
-        assert "int4 in blocks of 32" in why and "int8 in" not in why
-        assert why.endswith("re-export with --quant int8 or --quant int4 --quant-block 16")
+    assert unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 32, "head_bits": 8}), "cpu") is None
+    assert {(4, 32), (8, 32)} <= set(asked) and ((4, 16) in asked) != alike
+    assert kernel_probe.load_block({"bits": 4, "block": 128, "head_bits": 8}) == (None if alike else 16)
+    assert kernel_probe.load_block({"bits": 8, "block": 128, "head_bits": 8}) is None  # int8 is never re-blocked
+
+
+@pytest.mark.parametrize("onnx_installed", [True, False])
+def test_rows_no_smaller_block_makes_exact_are_not_verified(monkeypatch, onnx_installed):
+    """Where no block that divides the bundle's is alike (int4 in blocks of 16 on aarch64, every int4 block on a
+    Cortex-A72: benchmarks/arm/README.md), or the onnx package the rewrite needs is missing, the rows are not
+    verified, and the advice names the layouts this machine computes alike."""
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: bits == 8 or block == 32)
+    if not onnx_installed:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
+    why = unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 16, "head_bits": 8}), "cpu")
+    assert "int4 in blocks of 16" in why and "int8 in" not in why
+    assert why.endswith("re-export with --quant int8 or --quant int4 --quant-block 32")
+    why = unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 64, "head_bits": 8}), "cpu")
+    assert (why is None) == onnx_installed  # 64 is loaded as 32 where the rewrite can be done
+    if not onnx_installed:
+        assert "int4 in blocks of 64" in why and why.endswith("pip install onnx: the runtime then loads its int4 "
+                                                             "products in blocks of 32, exact here)")
 
 
 def test_the_advice_follows_what_the_machine_computes_alike(monkeypatch):
@@ -101,10 +120,10 @@ def test_export_notes_a_layout_this_machine_computes_inexactly(tiny_models, tmp_
 
 @pytest.fixture(scope="module")
 def int4_bundles(tiny_models, tmp_path_factory):
-    """The tiny llama as int4 graphs in blocks of 32 and of 16 (the default)."""
+    """The tiny llama as int4 graphs in blocks of 32 (the default) and of 16."""
     root = tmp_path_factory.mktemp("int4")
     out = {}
-    for block in (32, None):
+    for block in (None, 16):
         out[block] = str(root / f"int4-{block}")
         export_bundle(tiny_models["llama"][0], out[block], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,),
                                                                          quant="int4", quant_block=block),
@@ -114,20 +133,24 @@ def int4_bundles(tiny_models, tmp_path_factory):
 
 def test_int4_rows_are_measured_on_this_machine(int4_bundles):
     """Which kernel computes a one-row int4 product depends on the CPU: with AVX-512 one kernel takes every row
-    count; on AVX2-only x86 a one-row product in blocks of 32 has a kernel of its own; on aarch64 (emulated) four
-    rows of blocks of 16 do. The probe's verdicts agree with `specedge check`'s measurement of a bundle's rows,
-    and speculation warns exactly where they are not exact. Blocks of 16 (the default) are exact, and silent,
-    on both kinds of x86."""
+    count; on AVX2-only x86 a one-row product in blocks of 32 has a kernel of its own, so a bundle in blocks of
+    32 is loaded re-blocked into 16 there; on aarch64 (emulated) four rows of blocks of 16 do. The probe's
+    verdicts agree with `specedge check`'s measurement of a bundle's rows as the runtime loads them, and
+    speculation warns exactly where they are not exact. Both bundles are exact, and silent, on both kinds of x86
+    (aarch64 is another story: with the int8 dot product blocks of 32 are exact and 16 are not)."""
     from specedge.tools.check import check_bundle
 
-    b32_alike, default_alike = kernel_probe.rows_alike(4, 32), kernel_probe.rows_alike(4, DEFAULT_BLOCK[4])
-    print(f"int4 rows alike on this machine: in blocks of 32 {b32_alike}, of {DEFAULT_BLOCK[4]} {default_alike}")
-    assert default_alike or platform.machine().lower() not in ("x86_64", "amd64")  # exact on every x86 measured
-    for block, exact in ((32, b32_alike), (None, default_alike)):
-        report = check_bundle(int4_bundles[block])
+    for block in (DEFAULT_BLOCK[4], 16):
+        loaded = kernel_probe.load_block({"bits": 4, "block": block, "head_bits": 8}) or block
+        exact = kernel_probe.rows_alike(4, loaded)
+        print(f"int4 in blocks of {block}: loaded in blocks of {loaded}, rows alike {exact}")
+        assert exact or platform.machine().lower() not in ("x86_64", "amd64")  # exact on every x86 measured
+        bundle = int4_bundles[None if block == DEFAULT_BLOCK[4] else block]
+        assert load_manifest(bundle).target.quant["block"] == block
+        report = check_bundle(bundle)
         assert [ok for ok, text in report.lines if "exact rows" in text] == [exact], report.render()
         assert exact or "re-export with --quant int8" in report.render()
-        gen = Generator.load(int4_bundles[block])
+        gen = Generator.load(bundle)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -136,8 +159,40 @@ def test_int4_rows_are_measured_on_this_machine(int4_bundles):
             gen.close()
         warned = [str(w.message) for w in caught if issubclass(w.category, InexactRowsWarning)]
         assert len(warned) == (0 if exact else 1), warned
-        assert all(f"int4 in blocks of {block or DEFAULT_BLOCK[4]}" in w and "--quant int8" in w for w in warned)
+        assert all(f"int4 in blocks of {loaded}" in w and "--quant int8" in w for w in warned)
         assert res.stats.proposed > 0
+
+
+@pytest.mark.parametrize("backend,cache", [("cpu", True), ("cpu", False), ("ort", False)])
+def test_an_inexact_int4_block_is_loaded_in_a_smaller_exact_one(int4_bundles, tmp_path, monkeypatch, backend, cache):
+    """With the probe's answer set as on an AVX2-only CPU (int4 in blocks of 32 differs, of 16 is alike), a
+    bundle in blocks of 32 (the default) is loaded re-blocked into blocks of 16 (runtime/reblock.py), through
+    the optimized-graph cache, without it, and on the Python API backend: its rows are exact as `specedge check` measures
+    them on this machine, speculation says nothing, and its greedy output equals plain decode's with drafts
+    accepted and rejected."""
+    from specedge.runtime import reblock
+    from specedge.tools.check import check_bundle
+
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: bits == 8 or block == 16)
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECEDGE_ORT_CACHE", "1" if cache else "0")
+    rewritten = []
+    real = reblock.reblock_int4
+    monkeypatch.setattr(reblock, "reblock_int4", lambda model, block: rewritten.append(block) or real(model, block))
+    assert load_manifest(int4_bundles[None]).target.quant["block"] == 32
+    report = check_bundle(int4_bundles[None], backend=backend, exact_rows=True)
+    assert report.ok and [ok for ok, text in report.lines if "exact rows" in text] == [True], report.render()
+    assert rewritten and set(rewritten) == {16}
+    gen = Generator.load(int4_bundles[None], backend=backend)
+    try:
+        plain = gen.generate(PROMPT, 24, proposer="none", stop_ids=[]).tokens
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InexactRowsWarning)
+            spec = gen.generate(PROMPT, 24, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
+    finally:
+        gen.close()
+    assert spec.tokens == plain
+    assert spec.stats.proposed > 0 and spec.stats.accepted > 0 and spec.stats.proposed > spec.stats.accepted
 
 
 def test_bundles_without_a_flavour_record_are_portable(tiny_bundle):

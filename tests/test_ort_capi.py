@@ -314,10 +314,13 @@ def test_every_api_entry_is_called(model):
             s = env.create_session(model["path"](1), prepack=False)
             with pytest.raises(oc.CapiError):
                 env.create_session(str(model["dir"] / "nope.onnx"))
-            ids, x, y, _ = _buffers(1)
-            s.bind({"ids": ids, "x": x}, {"y": y})
-            s.run()
-            np.testing.assert_allclose(y, _reference(model["w"], ids, x)[0], rtol=1e-5, atol=1e-5)
+            with open(model["path"](1), "rb") as f:  # from bytes (a graph re-blocked at load, runtime/reblock.py)
+                from_bytes = env.create_session(model["path"](1), model=f.read())
+            for session in (s, from_bytes):
+                ids, x, y, _ = _buffers(1)
+                session.bind({"ids": ids, "x": x}, {"y": y})
+                session.run()
+                np.testing.assert_allclose(y, _reference(model["w"], ids, x)[0], rtol=1e-5, atol=1e-5)
     finally:
         for name, fn in originals.items():
             setattr(api, name, fn)

@@ -75,7 +75,7 @@ def test_quantize_blocks_rounds_to_nearest_on_a_symmetric_grid(bits, block, K, s
 
 def test_parse_quant_rejects_bad_values():
     assert Q.parse_quant("none", None) is None
-    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=16, head_bits=8)  # exact on AVX2 too
+    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8)  # loaded as 16 on AVX2
     assert Q.parse_quant("int8", None) == Q.QuantSpec(bits=8, block=32, head_bits=8)
     for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2")]:
         with pytest.raises(ValueError):
@@ -352,8 +352,8 @@ def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | Non
 @pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
 def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits, block):
     """Q4_0 / Q8_0 tensors enter the ONNX layout without a dequantize/requantize round trip: their ints and
-    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives. Into blocks of 16 (the
-    int4 default) each block of 32 is two blocks with its scale."""
+    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives. Into blocks of 16 each
+    block of 32 is two blocks with its scale."""
     import gguf
 
     from specedge.graphs import llama

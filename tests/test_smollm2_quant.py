@@ -5,7 +5,8 @@ in CI, skip locally with -m "not slow".
 Why this holds on quantized graphs: the step graphs are position-consistent (docs/bundle.md, version 2):
 the verify step's row t is computed bit for bit like the one-token decode of the same token, and
 onnxruntime's MatMulNBits at accuracy level 4 (int8 activations) computes each row of a k-row product like a
-one-row product (for int4 on AVX2-only CPUs only in blocks of 16, the default: runtime/kernel_probe.py). So
+one-row product (for int4 on AVX2-only CPUs only in blocks of 16, in which the runtime loads the default blocks
+of 32 there: runtime/kernel_probe.py, runtime/reblock.py). So
 the near-tie rule of issue 8 has epsilon 0: any divergence fails the test, and the failure message reads plain decode's own top-2 logits at that position to show what went wrong. (With the
 version-1 graphs, which summed past and step separately, 32 of 111 int8 runs and 40 of 111 int4 runs
 diverged at top-2 gaps up to 0.46.)

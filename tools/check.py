@@ -226,7 +226,8 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
         backend = _make_backend(backend_name, cached)
         weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
-        session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False, config=model.session_config)
+        session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False, config=model.session_config,
+                               quant=model.quant)
         dims = model.graph_dims(graph)
         feeds = {s.name: np.zeros(s.shape, dtype=s.dtype)
                  for s in C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context)}

@@ -82,7 +82,8 @@ class GraphDriver:
         key = _session_key(graph)
         if key not in self.sessions:
             self.sessions[key] = self.backend.load(os.path.join(self.bundle, graph.file), self.weights,
-                                                   prepack=True, config=self.model.session_config)
+                                                   prepack=True, config=self.model.session_config,
+                                                   quant=self.model.quant)
         depth = np.arange(T) if tree is None else tree.depth
         feeds = {C.INPUT_IDS: np.ascontiguousarray(tokens, dtype=np.int64),
                  C.POSITION_IDS: np.broadcast_to(start + depth, (d.batch, T)).copy(),

@@ -12,6 +12,8 @@ import sys
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import ORT_SESSION_CONFIG
+from .. import kernel_probe
+from ..reblock import reblocked_graph
 from . import DroppingPages, map_weights, release_pages, trim_heap, ort_capi
 
 QUANT_KEY = next(iter(ORT_SESSION_CONFIG))  # the MatMulNBits accuracy level: the graph is a quantized one
@@ -43,29 +45,37 @@ class CapiBackend:
         self._envs[path] = env
         self._names[path] = set(index)
 
-    def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None):
+    def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None,
+             quant: dict | None = None):
         """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry). A
         quantized graph (its config sets the MatMulNBits accuracy level) loads through the optimized-graph
-        cache (ort_cache.py) unless SPECEDGE_ORT_CACHE=0."""
+        cache (ort_cache.py) unless SPECEDGE_ORT_CACHE=0. `quant`: the model's quant record; its int4 products
+        are loaded in smaller blocks where this machine computes the bundle's block inexactly (reblock.py)."""
         env = self._envs[weights_path]
-        level = "all"
+        level, model = "all", None
+        block = kernel_probe.load_block(quant)
         try:
             if config and QUANT_KEY in config and os.environ.get("SPECEDGE_ORT_CACHE", "1") != "0":
-                optimized = self._optimized_graph(env, graph_path, weights_path, config)
-                if optimized != graph_path:  # what onnxruntime's optimizer made of it already
-                    graph_path, level = optimized, "disable"
+                optimized = self._optimized_graph(env, graph_path, weights_path, config, block)
+                if optimized != graph_path:  # what onnxruntime's optimizer made of it already (re-blocked)
+                    graph_path, level, block = optimized, "disable", None
+            if block is not None:
+                model = reblocked_graph(graph_path, block)
             with DroppingPages(self._maps):
-                return env.create_session(graph_path, prepack=prepack, optimization_level=level, config=config)
-        except ort_capi.CapiError as e:
+                return env.create_session(graph_path, prepack=prepack, optimization_level=level, config=config,
+                                          model=model)
+        except (ort_capi.CapiError, ValueError) as e:  # ValueError: int4 products reblock.py cannot rewrite
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
 
-    def _optimized_graph(self, env: ort_capi.Env, graph_path: str, weights_path: str, config: dict[str, str]) -> str:
+    def _optimized_graph(self, env: ort_capi.Env, graph_path: str, weights_path: str, config: dict[str, str],
+                         int4_block: int | None) -> str:
         from .ort_cache import OptimizedGraphs
 
         if self._cache is None:
             self._cache = OptimizedGraphs()
         try:
-            path, tensors = self._cache.graph(graph_path, weights_path, config, self._names[weights_path])
+            path, tensors = self._cache.graph(graph_path, weights_path, config, self._names[weights_path],
+                                              int4_block)
         except OSError as e:  # a read-only cache location: run, with each session's own copies
             if not self._warned:
                 print(f"specedge: no optimized-graph cache under {self._cache.root} ({e.strerror or e}); each "

@@ -27,6 +27,7 @@ import tempfile
 
 import numpy as np
 
+from ..reblock import EXTERNAL_DATA_FOLDER, reblocked_graph
 from .digests import FileDigests
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
@@ -70,33 +71,36 @@ class OptimizedGraphs:
         self.root = root or default_root()
         self._digest = FileDigests()
 
-    def model_dir(self, weights_path: str, config: dict[str, str]) -> str:
+    def model_dir(self, weights_path: str, config: dict[str, str], int4_block: int | None = None) -> str:
         import onnxruntime
 
         parts = {"format": CACHE_FORMAT, "weights": self._digest(weights_path), "config": config,
                  "onnxruntime": onnxruntime.__version__, "cpu": _cpu()}
+        if int4_block is not None:  # graphs re-blocked at load (reblock.py); absent: the key of earlier entries
+            parts["int4_block"] = int4_block
         return os.path.join(self.root, hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32])
 
-    def graph(self, graph_path: str, weights_path: str, config: dict[str, str],
-              weights: set[str]) -> tuple[str, dict[str, np.ndarray]]:
+    def graph(self, graph_path: str, weights_path: str, config: dict[str, str], weights: set[str],
+              int4_block: int | None = None) -> tuple[str, dict[str, np.ndarray]]:
         """The optimized graph of `graph_path` (made now if absent) and its external tensors by name, as
         read-only memmaps of their cache files. `weights`: the names of the weights file's tensors, which keep
         their names (sessions get them from the bundle); every other initializer is renamed after its content,
-        as names like a graph's constants mean different tensors in different graphs."""
+        as names like a graph's constants mean different tensors in different graphs. `int4_block`: optimize the
+        graph with its int4 products re-blocked into blocks of that size (reblock.py)."""
         from ...tools.cache import mark_used, record_source
 
-        d = self.model_dir(weights_path, config)
+        d = self.model_dir(weights_path, config, int4_block)
         path = os.path.join(d, self._digest(graph_path)[:32] + ".onnx")
         if not os.path.isfile(path):
             if not os.path.isdir(d):
                 os.makedirs(d, exist_ok=True)
                 record_source(d, weights_path)
-            self._optimize(graph_path, path, config, weights)
+            self._optimize(graph_path, path, config, weights, int4_block)
         mark_used(d)
         return path, _tensors(path)
 
     @staticmethod
-    def _optimize(graph_path: str, out: str, config: dict[str, str], weights: set[str]) -> None:
+    def _optimize(graph_path: str, out: str, config: dict[str, str], weights: set[str], int4_block: int | None) -> None:
         """Let onnxruntime optimize the graph as a session would, then store its initializers by content."""
         import onnx
         import onnxruntime as ort
@@ -115,7 +119,11 @@ class OptimizedGraphs:
             so.add_session_config_entry("session.disable_prepacking", "1")  # only the graph is wanted here
             for key, value in config.items():
                 so.add_session_config_entry(key, str(value))
-            ort.InferenceSession(graph_path, so, providers=["CPUExecutionProvider"])
+            source = graph_path
+            if int4_block is not None:
+                source = reblocked_graph(graph_path, int4_block)
+                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.path.dirname(os.path.abspath(graph_path)))
+            ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
             model = onnx.load(os.path.join(tmp, "graph.onnx"), load_external_data=False)
             with open(os.path.join(tmp, "graph.bin"), "rb") as f:
                 data = f.read()

@@ -38,6 +38,7 @@ from ctypes import CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_int64, c_size_t
 import numpy as np
 
 from ...graphs.quant import PackedInt4
+from ..reblock import EXTERNAL_DATA_FOLDER
 
 # GetApi(N) hands out the function table as of API version N. 13 is the version of the header the indices below
 # were read from (onnxruntime 1.13's include/onnxruntime/core/session/onnxruntime_c_api.h, commit 0017800f); every
@@ -92,6 +93,7 @@ _FUNCS = {  # name: (index, restype, argtypes)
     "CreatePrepackedWeightsContainer": (166, _S, [_PP]),
     "ReleasePrepackedWeightsContainer": (167, None, [_P]),
     "CreateSessionWithPrepackedWeightsContainer": (168, _S, [_P, c_char_p, _P, _P, _PP]),
+    "CreateSessionFromArrayWithPrepackedWeightsContainer": (169, _S, [_P, c_char_p, c_size_t, _P, _P, _PP]),
 }
 
 # ONNXTensorElementDataType <-> numpy. Types numpy lacks (string 8, bfloat16 16) get a name but cannot be bound.
@@ -305,22 +307,25 @@ class Env(_Closable):
         return name in self._weights
 
     def create_session(self, model_path: str, prepack: bool = True, optimization_level: str = "all",
-                       config: dict[str, str] | None = None) -> Session:
+                       config: dict[str, str] | None = None, model: bytes | None = None) -> Session:
         """A session over `model_path` whose initializers come from add_weights() wherever the names match (ORT
-        ignores registered names the model lacks) and whose packed weights live in this Env's container."""
+        ignores registered names the model lacks) and whose packed weights live in this Env's container.
+        `model`: the graph's serialized bytes, made from the file at `model_path` (whose folder holds what its
+        external data points at), to be run instead of the file."""
         self._check_open()
         if optimization_level not in _OPT_LEVELS:
             raise ValueError(f"optimization_level must be one of {sorted(_OPT_LEVELS)}, got {optimization_level!r}")
+        args = (model_path, prepack, optimization_level)
         try:
-            return self._create_session(model_path, prepack, optimization_level, self._global_pool, config or {})
+            return self._create_session(*args, self._global_pool, config or {}, model)
         except CapiError as e:
             if not (self._global_pool and "CreateEnvWithGlobalThreadPools" in str(e)):
                 raise
             _POOL["usable"] = self._global_pool = False  # the env predates us: no global pool to share
-            return self._create_session(model_path, prepack, optimization_level, False, config or {})
+            return self._create_session(*args, False, config or {}, model)
 
     def _create_session(self, model_path: str, prepack: bool, optimization_level: str, global_pool: bool,
-                        config: dict[str, str]) -> Session:
+                        config: dict[str, str], model: bytes | None) -> Session:
         api = self._api
         options, session = c_void_p(), c_void_p()
         api.CreateSessionOptions(byref(options))
@@ -343,8 +348,14 @@ class Env(_Closable):
                 api.AddSessionConfigEntry(options, b"session.disable_prepacking", b"1")
             for name, (_, value) in self._weights.items():
                 api.AddInitializer(options, name.encode(), value)
-            api.CreateSessionWithPrepackedWeightsContainer(self._env, os.fsencode(model_path), options,
-                                                           self._container, byref(session))
+            if model is None:
+                api.CreateSessionWithPrepackedWeightsContainer(self._env, os.fsencode(model_path), options,
+                                                               self._container, byref(session))
+            else:
+                folder = os.path.dirname(os.path.abspath(model_path)).encode()
+                api.AddSessionConfigEntry(options, EXTERNAL_DATA_FOLDER.encode(), folder)
+                api.CreateSessionFromArrayWithPrepackedWeightsContainer(self._env, model, len(model), options,
+                                                                        self._container, byref(session))
         finally:
             api.ReleaseSessionOptions(options)  # the session keeps its own copy
         s = Session(self, session)

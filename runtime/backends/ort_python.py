@@ -14,6 +14,8 @@ import numpy as np
 from ...errors import BackendError, PlacementError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import PackedInt4
+from .. import kernel_probe
+from ..reblock import EXTERNAL_DATA_FOLDER, reblocked_graph
 from . import map_weights, release_pages, trim_heap
 
 _PROVIDERS = {
@@ -123,11 +125,18 @@ class OrtBackend:
                                if not isinstance(a, PackedInt4)}
 
     def load(self, graph_path: str, weights_path: str, prepack: bool = True,
-             config: dict[str, str] | None = None) -> OrtSession:
+             config: dict[str, str] | None = None, quant: dict | None = None) -> OrtSession:
+        """`quant`: the model's quant record; on the CPU its int4 products are loaded in smaller blocks where this
+        machine computes the bundle's block inexactly (reblock.py)."""
         so = self.session_options(weights_path, prepack, config)
         try:
+            source = graph_path
+            block = kernel_probe.load_block(quant) if self.name == "ort" else None
+            if block is not None:
+                source = reblocked_graph(graph_path, block)
+                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.path.dirname(os.path.abspath(graph_path)))
             providers = [(p, _PROVIDER_OPTIONS[p]) if p in _PROVIDER_OPTIONS else p for p in self.providers]
-            session = self._ort.InferenceSession(graph_path, so, providers=providers)
+            session = self._ort.InferenceSession(source, so, providers=providers)
         except Exception as e:
             raise BackendError(f"onnxruntime cannot load {graph_path}: {str(e).splitlines()[0]}") from None
         if self.providers[0] not in session.get_providers():
