@@ -40,6 +40,7 @@ class EngineConfig:
     max_tokens: int = 256  # when a request gives none
     max_queue: int = 16  # requests waiting or running; more are refused with 429
     session_bytes: int = 256 << 20  # snapshots of recent conversations kept for prefix reuse
+    adaptive: bool = True  # False: every round proposes gamma drafts (serve --fixed-gamma)
 
 
 @dataclass
@@ -247,7 +248,8 @@ class SerialEngine(Engine):
                                  gamma=req.gamma or cfg.gamma, temperature=req.temperature, top_k=req.top_k,
                                  top_p=req.top_p, seed=req.seed, stop_ids=self.stop_ids(req), stats=stats, reuse=True,
                                  min_new_tokens=req.min_tokens, logprobs=req.logprobs, logprobs_out=entries,
-                                 stop=req.stop if self.gen.tokenizer else None, **req.extra_sampling())
+                                 stop=req.stop if self.gen.tokenizer else None, adaptive=cfg.adaptive,
+                                 **req.extra_sampling())
         try:
             for new in rounds:
                 if self._emit(job, text, new, None if entries is None else entries[-len(new):]) \
@@ -314,7 +316,8 @@ class BatchEngine(Engine):
             try:
                 runner.admit(b, job.prompt_ids, job.max_tokens, req.proposer or cfg.proposer, req.gamma or cfg.gamma,
                              req.temperature, req.top_k, req.top_p, req.seed, self.stop_ids(req),
-                             min_new_tokens=req.min_tokens, logprobs=req.logprobs, **req.extra_sampling(),
+                             min_new_tokens=req.min_tokens, logprobs=req.logprobs, adaptive=cfg.adaptive,
+                             **req.extra_sampling(),
                              stop_strings=stop_strings_for(self.gen.tokenizer, req.stop, req.min_tokens)
                              if self.gen.tokenizer else None)
             except SpecedgeError as e:

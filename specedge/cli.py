@@ -491,6 +491,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
                    help="default proposer for requests that name none (default: draft if the bundle has one, else ngram)")
     p.add_argument("--gamma", type=int, default=None, help="default drafts per round (default: 4 with a draft, 8 with ngram)")
+    p.add_argument("--fixed-gamma", action="store_true",
+                   help="every round proposes gamma drafts (the default adapts the draft length to misses and measured "
+                   "step times; greedy output is the same either way)")
     p.add_argument("--max-tokens", type=int, default=256, help="completion length when a request gives none (default 256)")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting or running before 429 (default 16)")
     p.add_argument("--session-mb", type=int, default=256,
@@ -537,7 +540,8 @@ def _run_serve(a) -> int:
     if a.ray and not 1 <= a.port <= 65535:  # serve_forever checks its own (it also takes 0: any free port)
         raise ServeError(f"--port must be in 1..65535 with --ray, not {a.port}")
     config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,
-                                                                       a.session_mb << 20), a.model_id,
+                                                                       a.session_mb << 20, not a.fixed_gamma),
+                          a.model_id,
                           a.history_tokens, defaults, a.lazy_row_steps)
     if a.ray:
         from .serve.ray_serve import serve_with_ray

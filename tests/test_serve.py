@@ -545,7 +545,9 @@ def test_a_server_with_an_output_history_drafts_from_earlier_completions(tiny_bu
     want = expected(oracle, chat_ids(oracle, messages), 24)
     accepted = {}
     for tokens in (0, 4096):
-        s = Server(tiny_bundle, history_tokens=tokens, proposer="ngram", gamma=8, max_tokens=24, max_queue=4)
+        # a fixed draft length: the adaptive one follows measured step times, and so would the accepted counts
+        s = Server(tiny_bundle, history_tokens=tokens, proposer="ngram", gamma=8, max_tokens=24, max_queue=4,
+                   adaptive=False)
         try:
             for _ in range(2):
                 got = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
@@ -557,6 +559,42 @@ def test_a_server_with_an_output_history_drafts_from_earlier_completions(tiny_bu
             s.close()
     assert accepted[4096] >= accepted[0] + 8, accepted  # measured 24 against 12
     assert main(["serve", tiny_bundle, "--history-tokens", "-1"]) == 2
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_serve_fixed_gamma_turns_adaptation_off(tiny_bundle, batch_server, monkeypatch, fixed):
+    """`specedge serve --fixed-gamma` reaches the engine's config, and the engine hands it to both loops: the
+    generator's (a batch-1 bundle) and the batch runner's (each admitted row)."""
+    from specedge.cli import main
+    from specedge.runtime.batch import BatchRunner
+    from specedge.runtime.generator import Generator
+    from specedge.serve import app
+
+    configs = []
+    monkeypatch.setattr(app, "serve_forever", lambda config, *a, **k: configs.append(config) or 0)
+    assert main(["serve", tiny_bundle] + (["--fixed-gamma"] if fixed else [])) == 0
+    assert [c.engine.adaptive for c in configs] == [not fixed]
+    seen = []
+    for cls, name in ((Generator, "stream"), (BatchRunner, "admit")):
+        original = getattr(cls, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            seen.append((_name, kwargs["adaptive"]))
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, spy)
+    messages = [{"role": "user", "content": "t1 t2 t1 t2 t1"}]
+    s = Server(tiny_bundle, proposer="ngram", gamma=2, max_tokens=6, max_queue=4, adaptive=not fixed)
+    try:
+        s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    finally:
+        s.close()
+    batch = Server(batch_server.config.bundle, proposer="ngram", gamma=4, max_tokens=6, max_queue=4,
+                   adaptive=not fixed)
+    try:
+        batch.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    finally:
+        batch.close()
+    assert {n for n, _ in seen} == {"stream", "admit"} and all(adaptive is not fixed for _, adaptive in seen), seen
 
 
 def test_serve_command_listens_where_it_says_and_stops_on_interrupt(tiny_bundle):
