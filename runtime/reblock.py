@@ -31,6 +31,7 @@ def reblock_int4(model, block: int) -> int:
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     nodes, rewritten = [], 0
+    repeated: dict[str, str] = {}  # scale -> its re-blocked output, made once however many products share it
     for node in graph.node:
         weight = initializers.get(node.input[0]) if node.op_type == "DequantizeLinear" and node.input else None
         size = next((a for a in node.attribute if a.name == "block_size"), None)
@@ -46,6 +47,11 @@ def reblock_int4(model, block: int) -> int:
         K, N = weight.dims
         old_rows, repeat = -(-K // size.i), size.i // block
         scale, name = node.input[1], f"{node.input[1]}/block{block}"
+        if scale in repeated:
+            node.input[1], size.i = repeated[scale], block
+            nodes.append(node)
+            rewritten += 1
+            continue
         consts = {"by_block": [old_rows, 1, N], "repeated": [old_rows, repeat, N], "rows": [old_rows * repeat, N]}
         graph.initializer.extend(helper.make_tensor(f"{name}/{k}", TensorProto.INT64, [len(v)], v)
                                  for k, v in consts.items())
@@ -58,7 +64,7 @@ def reblock_int4(model, block: int) -> int:
             nodes.append(helper.make_node("Slice", [name, f"{name}/start", f"{name}/end", f"{name}/axis"],
                                           [f"{name}/sliced"]))
             name = f"{name}/sliced"
-        node.input[1] = name
+        node.input[1] = repeated[scale] = name
         size.i = block
         nodes.append(node)
         rewritten += 1

@@ -31,12 +31,16 @@ def _product(K: int, N: int, block: int, zero_point: bool = False, seed: int = 0
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", QUANT_OPSET)], ir_version=QUANT_IR_VERSION)
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+def _outputs(model: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:
     """Unoptimized: DequantizeLinear then a float MatMul, so equal weights give equal bits."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0]
+    return session.run(None, {"x": x})
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    return _outputs(model, x)[0]
 
 
 @pytest.mark.parametrize("K,block,to", [(64, 32, 16), (256, 128, 16), (128, 64, 32), (48, 32, 16), (80, 64, 16)])
@@ -51,6 +55,20 @@ def test_reblocked_products_compute_the_same_weights(K, block, to):
     assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": to}
     onnx.checker.check_model(model, full_check=True)
     np.testing.assert_array_equal(_run(model, x), want)
+
+
+def test_a_scale_two_products_share_is_repeated_once():
+    model = _product(64, 24, 32)
+    dq, matmul = model.graph.node
+    twin = onnx.helper.make_node("DequantizeLinear", list(dq.input), ["Wd2"], axis=0, block_size=32)
+    model.graph.node.extend([twin, onnx.helper.make_node("MatMul", ["x", "Wd2"], ["y2"])])
+    model.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [3, 24]))
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    assert reblock_int4(model, 16) == 2
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.op_type for n in model.graph.node].count("Expand") == 1
+    y, y2 = _outputs(model, x)
+    np.testing.assert_array_equal(y, y2)
 
 
 def test_products_in_blocks_no_larger_are_left_alone():
