@@ -182,6 +182,7 @@ def test_an_inexact_int4_block_is_loaded_in_a_smaller_exact_one(int4_bundles, tm
     assert load_manifest(int4_bundles[None]).target.quant["block"] == 32
     report = check_bundle(int4_bundles[None], backend=backend, exact_rows=True)
     assert report.ok and [ok for ok, text in report.lines if "exact rows" in text] == [True], report.render()
+    assert "int4 loaded in blocks of 16 on this machine, the bundle's 32 re-blocked" in report.render()
     assert rewritten and set(rewritten) == {16}
     gen = Generator.load(int4_bundles[None], backend=backend)
     try:

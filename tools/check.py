@@ -263,6 +263,9 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
         backend.close()
     inexact = [r for r in results if not r.exact]
     label = f"{name}: exact rows" + ("" if backend_name == "cpu" else f" on {backend_name}")
+    if model.quant and backend_name in ONNXRUNTIME_CPU and kernel_probe.load_block(model.quant):
+        label += (f" (int4 loaded in blocks of {kernel_probe.load_block(model.quant)} on this machine, the bundle's "
+                  f"{model.quant['block']} re-blocked: runtime/reblock.py)")
     if not inexact:
         trees = sum(r.tree for r in results)
         report.add(True, f"{label}: {len({r.graph.file for r in results})} graphs compute each row bit for bit as "
