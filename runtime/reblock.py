@@ -19,8 +19,15 @@ is and speculation on it says that its rows may differ (runtime/exactness.py).
 """
 from __future__ import annotations
 
+import os
+
 # session config entry: where a graph created from bytes finds its external data (onnxruntime >= 1.18)
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def external_data_folder(graph_path: str) -> str:
+    """EXTERNAL_DATA_FOLDER's value for a session made from reblocked_graph(graph_path, ...): the graph's folder."""
+    return os.path.dirname(os.path.abspath(graph_path))
 
 
 def reblock_int4(model, block: int) -> int:
@@ -41,9 +48,9 @@ def reblock_int4(model, block: int) -> int:
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         zero_point = len(node.input) > 2 and node.input[2]  # int4 too, which Expand does not take
         if size.i % block or len(weight.dims) != 2 or axis != 0 or zero_point:  # not a layout specedge exports
-            raise ValueError(f"{node.name or node.output[0]}: cannot re-block int4 [{', '.join(map(str, weight.dims))}] "
-                             f"in blocks of {size.i} along axis {axis}{' with a zero point' if zero_point else ''} "
-                             f"into blocks of {block}")
+            dims = ", ".join(map(str, weight.dims))
+            raise ValueError(f"{node.name or node.output[0]}: cannot re-block int4 [{dims}] in blocks of {size.i} "
+                             f"along axis {axis}{' with a zero point' if zero_point else ''} into blocks of {block}")
         K, N = weight.dims
         old_rows, repeat = -(-K // size.i), size.i // block
         scale, name = node.input[1], f"{node.input[1]}/block{block}"
@@ -76,7 +83,7 @@ def reblock_int4(model, block: int) -> int:
 def reblocked_graph(graph_path: str, block: int) -> bytes:
     """The graph file at `graph_path` with its int4 products in blocks of `block`, serialized. Its external data
     still points into the bundle's weights file: create the session from these bytes with EXTERNAL_DATA_FOLDER
-    set to the graph's folder (or hand every external tensor over as an initializer)."""
+    set to external_data_folder(graph_path) (or hand every external tensor over as an initializer)."""
     import onnx
 
     model = onnx.load(graph_path, load_external_data=False)

@@ -263,9 +263,10 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
         backend.close()
     inexact = [r for r in results if not r.exact]
     label = f"{name}: exact rows" + ("" if backend_name == "cpu" else f" on {backend_name}")
-    if model.quant and backend_name in ONNXRUNTIME_CPU and kernel_probe.load_block(model.quant):
-        label += (f" (int4 loaded in blocks of {kernel_probe.load_block(model.quant)} on this machine, the bundle's "
-                  f"{model.quant['block']} re-blocked: runtime/reblock.py)")
+    loaded = kernel_probe.load_block(model.quant) if backend_name in ONNXRUNTIME_CPU else None
+    if loaded:
+        label += (f" (int4 loaded in blocks of {loaded} on this machine, the bundle's {model.quant['block']} "
+                  "re-blocked: runtime/reblock.py)")
     if not inexact:
         trees = sum(r.tree for r in results)
         report.add(True, f"{label}: {len({r.graph.file for r in results})} graphs compute each row bit for bit as "

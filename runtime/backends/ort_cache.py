@@ -27,7 +27,7 @@ import tempfile
 
 import numpy as np
 
-from ..reblock import EXTERNAL_DATA_FOLDER, reblocked_graph
+from ..reblock import EXTERNAL_DATA_FOLDER, external_data_folder, reblocked_graph
 from .digests import FileDigests
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
@@ -122,7 +122,7 @@ class OptimizedGraphs:
             source = graph_path
             if int4_block is not None:
                 source = reblocked_graph(graph_path, int4_block)
-                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.path.dirname(os.path.abspath(graph_path)))
+                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, external_data_folder(graph_path))
             ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
             model = onnx.load(os.path.join(tmp, "graph.onnx"), load_external_data=False)
             with open(os.path.join(tmp, "graph.bin"), "rb") as f:

@@ -38,7 +38,7 @@ from ctypes import CFUNCTYPE, POINTER, byref, c_char_p, c_int, c_int64, c_size_t
 import numpy as np
 
 from ...graphs.quant import PackedInt4
-from ..reblock import EXTERNAL_DATA_FOLDER
+from ..reblock import EXTERNAL_DATA_FOLDER, external_data_folder
 
 # GetApi(N) hands out the function table as of API version N. 13 is the version of the header the indices below
 # were read from (onnxruntime 1.13's include/onnxruntime/core/session/onnxruntime_c_api.h, commit 0017800f); every
@@ -352,7 +352,7 @@ class Env(_Closable):
                 api.CreateSessionWithPrepackedWeightsContainer(self._env, os.fsencode(model_path), options,
                                                                self._container, byref(session))
             else:
-                folder = os.path.dirname(os.path.abspath(model_path)).encode()
+                folder = external_data_folder(model_path).encode()
                 api.AddSessionConfigEntry(options, EXTERNAL_DATA_FOLDER.encode(), folder)
                 api.CreateSessionFromArrayWithPrepackedWeightsContainer(self._env, model, len(model), options,
                                                                         self._container, byref(session))

@@ -15,7 +15,7 @@ from ...errors import BackendError, PlacementError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import PackedInt4
 from .. import kernel_probe
-from ..reblock import EXTERNAL_DATA_FOLDER, reblocked_graph
+from ..reblock import EXTERNAL_DATA_FOLDER, external_data_folder, reblocked_graph
 from . import map_weights, release_pages, trim_heap
 
 _PROVIDERS = {
@@ -134,7 +134,7 @@ class OrtBackend:
             block = kernel_probe.load_block(quant) if self.name == "ort" else None
             if block is not None:
                 source = reblocked_graph(graph_path, block)
-                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, os.path.dirname(os.path.abspath(graph_path)))
+                so.add_session_config_entry(EXTERNAL_DATA_FOLDER, external_data_folder(graph_path))
             providers = [(p, _PROVIDER_OPTIONS[p]) if p in _PROVIDER_OPTIONS else p for p in self.providers]
             session = self._ort.InferenceSession(source, so, providers=providers)
         except Exception as e:
