@@ -123,11 +123,11 @@ class _RecordingBackend:
         self.name = backend.name
         self.samples = samples  # (graph file name) -> [feeds]
 
-    def load(self, graph_path, weights_path, prepack=True, config=None, quant=None):
+    def load(self, graph_path, weights_path, prepack=True, config=None, int4_block=None):
         # No prepacking: this backend's sessions would each keep a packed copy of the float weights (16 SmolLM2
         # graphs: 8.8 GB, the export's peak); unpacked, they all read the one copy of the weights file.
         sink = self.samples.setdefault(os.path.basename(graph_path), [])
-        return _RecordingSession(self._backend.load(graph_path, weights_path, False, config, quant), sink)
+        return _RecordingSession(self._backend.load(graph_path, weights_path, False, config, int4_block), sink)
 
     def release_lookup_pages(self):
         self._backend.release_lookup_pages()

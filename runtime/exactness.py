@@ -19,7 +19,7 @@ class InexactRowsWarning(SpecedgeWarning):
     """Speculation on a backend where the bundle's verify rows are not known to equal decode rows bit for bit."""
 
 
-ONNXRUNTIME_CPU = ("cpu", "ort")  # the C API and the Python API over onnxruntime's CPU kernels
+ONNXRUNTIME_CPU = kernel_probe.ONNXRUNTIME_CPU
 
 
 def flavour(manifest: Manifest) -> str:
@@ -31,7 +31,7 @@ def unverified_rows(manifest: Manifest, backend: str) -> str | None:
     kind, dtype = flavour(manifest), manifest.target.dims.dtype
     if backend in ONNXRUNTIME_CPU:
         if kind == "portable" and dtype == "float32":  # quantized bundles included: their graphs compute float32
-            return kernel_probe.why_inexact(manifest.target.quant) if manifest.target.quant else None
+            return kernel_probe.why_inexact(manifest.target) if manifest.target.quant else None
         if kind == "qnn-qdq16":
             return "qnn-qdq16 graphs are for the HTP; onnxruntime's CPU kernels for them round rows differently"
         # measured on a tiny float16 bundle: 2.4e-4 to 4.9e-4 in the logits, in every verify graph with graph

@@ -11,23 +11,31 @@ aarch64 (emulated, benchmarks/arm/README.md) int4 in blocks of 16 differs in til
 without the int8 dot product every int4 block does; int8 was alike on every CPU measured.
 
 So the runtime asks the machine: it runs one small product of the bundle's layout (random weights, K = 4
-blocks, N = 16) with 1, 2 and 5 rows in onnxruntime's CPU session, with the session settings the bundle's
+blocks, N = 16) with 1, 2, 3, 5 and 9 rows in onnxruntime's CPU session, with the session settings the bundle's
 graphs run under, and compares the rows. The model is written here as ONNX protobuf bytes (the runtime does
-not depend on the onnx package). A few milliseconds, once per layout and process. Where the bundle's int4
-block differs and a smaller block that divides it does not, the CPU backends load the bundle's int4 products
-in that block (load_block; runtime/reblock.py rewrites the graphs, the weights stay as they are).
+not depend on the onnx package). A few milliseconds, once per layout and process.
+
+Where only the one-row product differs (int4 in blocks of 32 or more on AVX2: every product of two rows or
+more computes each row alike), the target decodes each token as a two-row step, its second row padding, in the
+bundle's own layout; else, where a smaller block that divides the bundle's is alike, the CPU backends load the
+int4 products in that block (runtime/reblock.py rewrites the graphs, the weights stay as they are). Two-row
+decode comes first because it is the faster of the two on the CPU measured: a T=2 step in blocks of 32 took
+11.4 ms against 11.8 ms for a T=1 step re-blocked to 16, and a T=5 verify step 20.4 ms against 24.4
+(SmolLM2-135M int4, AVX2 AMD EPYC, benchmarks/quant/README.md). `row_plan` makes the choice per model.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..graphs.quant import BLOCK_SIZES, DEFAULT_BLOCK, ORT_SESSION_CONFIG, pack_int4
 
-ROWS = (2, 5)  # multi-row products compared with one-row ones
+ROWS = (2, 3, 5, 9)  # multi-row products compared with the rows computed alone
 N = 16
+ONNXRUNTIME_CPU = ("cpu", "ort")  # the backends over onnxruntime's CPU kernels: the C API and the Python API
 
 
 # -- the smallest protobuf writer that an ONNX model needs ---------------------------------------------------
@@ -85,9 +93,10 @@ def product_model(bits: int, block: int, rows: int, seed: int = 0) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def rows_alike(bits: int, block: int) -> bool:
-    """True when onnxruntime's CPU kernels on this machine compute every row of a 2- and 5-row product of this
-    layout bit for bit like the row alone."""
+def rows_alike(bits: int, block: int, least: int = 1) -> bool:
+    """True when onnxruntime's CPU kernels on this machine compute every row of a 2-, 3-, 5- and 9-row product of
+    this layout bit for bit like the row computed alone; with `least` = 2, alone means as the first row of a
+    two-row product whose second row is padding (two-row decode)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -95,10 +104,46 @@ def rows_alike(bits: int, block: int) -> bool:
     for key, value in ORT_SESSION_CONFIG.items():
         options.add_session_config_entry(key, value)
     run = {rows: ort.InferenceSession(product_model(bits, block, rows), options, providers=["CPUExecutionProvider"])
-           for rows in (1,) + ROWS}
-    x = np.random.default_rng(1).standard_normal((max(ROWS), 4 * block)).astype(np.float32)
-    alone = np.concatenate([run[1].run(None, {"x": x[i:i + 1]})[0] for i in range(max(ROWS))])
+           for rows in {least, *ROWS}}
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((max(ROWS), 4 * block)).astype(np.float32)
+    padding = rng.standard_normal((least - 1, 4 * block)).astype(np.float32)
+    alone = np.concatenate([run[least].run(None, {"x": np.concatenate([x[i:i + 1], padding])})[0][:1]
+                            for i in range(max(ROWS))])
     return all(np.array_equal(run[m].run(None, {"x": x[:m]})[0], alone[:m]) for m in ROWS)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How onnxruntime's CPU backends load a model and feed its steps so that a verify row is a decode row."""
+
+    int4_block: int | None = None  # the block its int4 products are loaded in, when not the bundle's (reblock.py)
+    min_rows: int = 1  # the fewest rows a step computes: 2 where each decoded token runs with a padding row
+
+    def min_tokens(self, batch: int) -> int:
+        """The smallest T of a step graph of `batch` rows that computes min_rows rows."""
+        return -(-self.min_rows // batch)
+
+
+def row_plan(model, backend: str, target=None) -> RowPlan:
+    """The RowPlan of `model` (a manifest ModelEntry) on `backend`; other backends than onnxruntime's CPU ones load
+    and run graphs as they are. A draft is planned like a target (`specedge check` holds its rows to the same
+    rule; its graphs always have T=2, for its catch-up), and one cut from the `target`'s layers takes the
+    target's plan: their sessions share one packed copy of each weight, which must be of one layout."""
+    if target is not None and model.layers_of == "target":
+        return row_plan(target, backend)
+    quant = model.quant
+    if backend not in ONNXRUNTIME_CPU or not quant or 4 not in (int(quant["bits"]), int(quant["head_bits"])):
+        return RowPlan()
+    block = int(quant["block"])
+    if rows_alike(4, block):
+        return RowPlan()
+    if rows_alike(4, block, least=2) and 2 in model.step_tokens():
+        return RowPlan(min_rows=2)
+    smaller = exact_block(4, block)
+    if smaller != block and importlib.util.find_spec("onnx") is not None:
+        return RowPlan(int4_block=smaller)
+    return RowPlan()
 
 
 def exact_block(bits: int, block: int) -> int:
@@ -110,24 +155,15 @@ def exact_block(bits: int, block: int) -> int:
                 block)
 
 
-def load_block(quant: dict | None) -> int | None:
-    """The block onnxruntime's CPU backends load the int4 products of a bundle with this quant record in, when it
-    is not the bundle's own: its exact_block, where that differs and the onnx package (which the graph rewrite
-    needs) is installed. None for bundles without int4 products and wherever the bundle's block is used as is."""
-    if not quant or 4 not in (int(quant["bits"]), int(quant["head_bits"])):
-        return None
-    block = exact_block(4, int(quant["block"]))
-    return block if block != int(quant["block"]) and importlib.util.find_spec("onnx") is not None else None
-
-
-def inexact_layouts(quant: dict) -> list[str]:
-    """The weight layouts of a manifest's quant record (layers, head) whose rows differ between row counts on
-    this machine as its CPU backends load them (int4 re-blocked where load_block says so), in words; empty when
-    every product is exact here."""
+def inexact_layouts(model) -> list[str]:
+    """The weight layouts of a model (layers, head) whose rows differ between row counts on this machine as its
+    CPU backends load and run them (row_plan), in words; empty when every product is exact here."""
+    quant, plan = model.quant, row_plan(model, ONNXRUNTIME_CPU[0])
     block = int(quant["block"])
-    loaded = {4: load_block(quant) or block, 8: block}
+    loaded = {4: plan.int4_block or block, 8: block}
     kinds = sorted({int(quant["bits"]), int(quant["head_bits"])})
-    return [f"int{bits} in blocks of {loaded[bits]}" for bits in kinds if not rows_alike(bits, loaded[bits])]
+    return [f"int{bits} in blocks of {loaded[bits]}" for bits in kinds
+            if not rows_alike(bits, loaded[bits], plan.min_rows)]
 
 
 def exact_choices() -> list[str]:
@@ -140,10 +176,11 @@ def exact_choices() -> list[str]:
     return choices
 
 
-def why_inexact(quant: dict) -> str | None:
-    """Why a bundle with this quant record is not exact on this machine and what to export instead, in words for
-    a warning or a check line; None when every product of its layout computes rows alike here."""
-    layouts = inexact_layouts(quant)
+def why_inexact(model) -> str | None:
+    """Why a model (a manifest ModelEntry) with a quant record is not exact on this machine and what to export
+    instead, in words for a warning or a check line; None when every product of its layout computes rows alike
+    here as the runtime runs them."""
+    layouts = inexact_layouts(model)
     if not layouts:
         return None
     # int8 first: where it is exact it is the safer choice (on an AVX2-only CPU it decoded as fast as int4 in
@@ -151,10 +188,13 @@ def why_inexact(quant: dict) -> str | None:
     choices = exact_choices()
     instead = (f"exact here: re-export with {' or '.join(choices)}" if choices else
                "no quantized layout tried is exact here: a float32 bundle is")
-    smaller = exact_block(4, int(quant["block"]))
-    if any(layout.startswith("int4") for layout in layouts) and smaller != int(quant["block"]):
-        # the runtime would have re-blocked it, had it the onnx package
-        instead += (f" (or pip install onnx: the runtime then loads its int4 products in blocks of {smaller}, "
-                    "exact here)")
+    block = int(model.quant["block"])
+    smaller = exact_block(4, block)
+    if any(layout.startswith("int4") for layout in layouts):
+        if rows_alike(4, block, least=2) and 2 not in model.step_tokens():
+            instead += " (or re-export with 1 among --gamma: decode then runs in its two-token step graph, exact here)"
+        elif smaller != block:  # the runtime would have re-blocked it, had it the onnx package
+            instead += (f" (or pip install onnx: the runtime then loads its int4 products in blocks of {smaller}, "
+                        "exact here)")
     return (f"onnxruntime's CPU kernels on this machine compute the rows of a product of {' and '.join(layouts)} "
             f"differently at different row counts, so a verify row is not a decode row; {instead}")

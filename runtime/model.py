@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import BackendError, BundleError, PlacementError
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry
+from .kernel_probe import row_plan
 from .kv_cache import KVCache, SharedKVCache, new_kv_block
 from .prefill_plan import plan_prefill
 from .tree import TreeLayout
@@ -88,7 +89,9 @@ class ModelRunner:
     def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None,
                  logits_scale: float | None = None):
         """`shares`: the target, for a draft cut from its first layers that reads the target's cache.
-        `logits_scale`: the grid the graphs' logits lie on (Manifest.logits_scale), snapped onto after each run."""
+        `logits_scale`: the grid the graphs' logits lie on (Manifest.logits_scale), snapped onto after each run.
+        The model's RowPlan (kernel_probe.py) says how its graphs load and the fewest rows a step computes; a
+        draft cut from the target takes the target's (their sessions share one packed copy of each weight)."""
         self.name = name
         self._logits_scale = logits_scale
         self.entry = entry
@@ -96,14 +99,16 @@ class ModelRunner:
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
         self.bundle_dir = bundle_dir
         self._backend = backend
+        self.plan = row_plan(entry, backend.name, shares.entry if shares is not None else None)
+        self._min_tokens = self.plan.min_tokens(entry.dims.batch)  # T below it would compute rows unlike others
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
         self._row_steps: dict[tuple[str, int, int], _RowStep] = {}  # (role, T, context): row graphs
         self._row_buffers: dict[tuple[str, int], _StepBuffers] = {}  # (role, T), shared by the row graphs' buckets
         self._graph_buckets: dict[tuple[str, int, bool, bool], list[int]] = {}  # (role, T, tree, row): buckets with it
-        self._step_sizes: list[int] = entry.step_tokens()  # the step graphs runs may use (see use_steps)
+        self._step_sizes: list[int] = self._usable(entry.step_tokens())  # the step graphs runs may use (use_steps)
         self._row_step_tokens = frozenset(entry.row_step_tokens())  # read every batch round: not the manifest
-        self._tree_sizes: list[int] = entry.tree_tokens()
+        self._tree_sizes: list[int] = self._usable(entry.tree_tokens())
         self.graph_seconds = 0.0  # time inside session.run, for the host-overhead breakdown
         self.graph_runs = 0
         self._looked_up = 0  # tokens fed since the weights files' lookup pages were last dropped
@@ -138,7 +143,7 @@ class ModelRunner:
             raise BundleError(f"graph file missing: {path}")
         try:
             return self._backend.load(path, os.path.join(self.bundle_dir, self.entry.weights),
-                                      config=self.entry.session_config, quant=self.entry.quant)
+                                      config=self.entry.session_config, int4_block=self.plan.int4_block)
         except PlacementError:  # a sound graph this device cannot run: say that, not "corrupt"
             raise
         except BackendError as e:
@@ -186,10 +191,23 @@ class ModelRunner:
             used += min(T, n - used)
 
     # -- graph choice --------------------------------------------------------------------------------
+    def _usable(self, sizes: list[int], row: bool = False) -> list[int]:
+        """The graph sizes T whose steps compute the plan's fewest rows (all but T=1 under two-row decode); a
+        row graph computes T rows, a batch graph B*T."""
+        least = self.plan.min_rows if row else self._min_tokens
+        return [t for t in sizes if t >= least]
+
+    def _widen(self, sizes: list[int] | None, row: bool = False) -> list[int] | None:
+        """Sizes asked for, each raised to the smallest the plan allows (two-row decode: a one-token run pads
+        into T=2)."""
+        least = self.plan.min_rows if row else self._min_tokens
+        return None if sizes is None else [max(t, least) for t in sizes]
+
     def use_steps(self, sizes: list[int] | None) -> list[int]:
         """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a
-        run loads the few it needs (T=1 and T=gamma+1) and pads shorter steps into them."""
-        self._step_sizes = _restrict(self.entry.step_tokens(), sizes)
+        run loads the few it needs (T=1 and T=gamma+1) and pads shorter steps into them. Under two-row decode
+        (RowPlan.min_rows) T=1 stands for T=2."""
+        self._step_sizes = _restrict(self._usable(self.entry.step_tokens()), self._widen(sizes))
         return self._step_sizes
 
     @property
@@ -206,7 +224,8 @@ class ModelRunner:
         (runtime/prefill_plan.py), over the prefill graphs and the step graphs in use; a step graph's LM head
         is cheap at a few rows, and only the last run pads."""
         free = self.cache.free if free is None else free
-        graphs = tuple([(C.PREFILL, t) for t in self.entry.prefill_tokens()] + [(C.STEP, t) for t in self._step_sizes])
+        graphs = tuple([(C.PREFILL, t) for t in self._usable(self.entry.prefill_tokens())]
+                       + [(C.STEP, t) for t in self._step_sizes])
         return plan_prefill(n, graphs, free - n)
 
     # -- running -------------------------------------------------------------------------------------
@@ -292,7 +311,7 @@ class ModelRunner:
     # -- token trees (runtime/tree.py) -------------------------------------------------------------------
     def use_trees(self, sizes: list[int] | None) -> list[int]:
         """Restrict tree runs to these tree graphs (None: all exported)."""
-        self._tree_sizes = _restrict(self.entry.tree_tokens(), sizes)
+        self._tree_sizes = _restrict(self._usable(self.entry.tree_tokens()), sizes)
         return self._tree_sizes
 
     def tree_graph_for(self, n: int) -> int | None:
@@ -352,7 +371,7 @@ class ModelRunner:
     @property
     def row_prefill_sizes(self) -> list[int]:
         """T of the row prefill graphs, largest first; empty when the bundle has none (batch 1, or version 2)."""
-        return self.entry.row_prefill_tokens()
+        return self._usable(self.entry.row_prefill_tokens(), row=True)
 
     def warm_rows(self, steps: bool = False) -> None:
         """Create the row prefill sessions of every bucket and, with `steps`, the row step sessions of the step
@@ -397,8 +416,8 @@ class ModelRunner:
         bundle has one for each (version 4); else none, and a lone row runs in the batch's step graphs. Their
         sessions are made on first use, in the buckets and widths lone rows reach: each holds about 6 MB of
         its own (SmolLM2 int4), and a batch of rows that never runs alone needs none of them."""
-        rows = self._row_step_tokens
-        return list(self._step_sizes) if rows and rows.issuperset(self._step_sizes) else []
+        rows, sizes = self._row_step_tokens, set(self._widen(self._step_sizes, row=True))
+        return sorted(sizes) if rows and rows.issuperset(sizes) else []
 
     def run_row(self, row: int, tokens: list[int]) -> np.ndarray:
         """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step

@@ -111,13 +111,13 @@ def _run_export(a) -> int:
 
 def _note_machine_rows(name: str, model) -> None:
     """A quantized bundle (always the portable flavour in float32: export refuses --quant with the others) whose
-    layout this machine computes differently at different row counts, even as the runtime would load it (int4 in
-    blocks of 16 on aarch64; on AVX2-only x86 blocks of 32 or more are loaded as 16: runtime/reblock.py) is said
-    to be inexact at export, where the user can still choose another layout, not only
-    at the first speculative run."""
+    layout this machine computes differently at different row counts, even as the runtime would run it (int4 in
+    blocks of 16 on aarch64; on AVX2-only x86 blocks of 32 or more decode as two-row steps, or are loaded as 16:
+    runtime/kernel_probe.py) is said to be inexact at export, where the user can still choose another layout, not
+    only at the first speculative run."""
     from .runtime import kernel_probe
 
-    why = kernel_probe.why_inexact(model.quant)
+    why = kernel_probe.why_inexact(model)
     if why:
         sys.stdout.flush()
         print(f"specedge export: note: speculation on {name} will not be exact here: {why}", file=sys.stderr)

@@ -36,10 +36,17 @@ def fp16_bundles(tiny_models, tmp_path_factory):
     return out
 
 
+def _model(quant: dict | None, steps: tuple[int, ...] = (1, 3)) -> SimpleNamespace:
+    """What kernel_probe reads of a manifest's model: its quant record and step graphs (by default, those of
+    --gamma 2: no T=2 graph to decode in two rows)."""
+    return SimpleNamespace(quant=quant, layers_of=None, step_tokens=lambda: list(steps))
+
+
 def _manifest(flavour: str, dtype: str, quant: dict | None = None) -> SimpleNamespace:
     """What unverified_rows reads of a manifest."""
-    return SimpleNamespace(export={"flavour": flavour},
-                           target=SimpleNamespace(dims=SimpleNamespace(dtype=dtype), quant=quant))
+    target = _model(quant)
+    target.dims = SimpleNamespace(dtype=dtype)
+    return SimpleNamespace(export={"flavour": flavour}, target=target)
 
 
 @pytest.mark.parametrize("flavour,dtype,backend,verified", [
@@ -61,14 +68,36 @@ def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monke
     backend loads it: int4 in blocks of 32 where only blocks of 16 are alike is loaded re-blocked into 16."""
     asked = []
 
-    def rows_alike(bits, block):  # with alike False: int4 is alike in blocks of 16 only
+    def rows_alike(bits, block, least=1):  # with alike False: int4 is alike in blocks of 16 only
         asked.append((bits, block))
         return alike or bits == 8 or block == 16
     monkeypatch.setattr(kernel_probe, "rows_alike", rows_alike)
     assert unverified_rows(_manifest("portable", "float32", {"bits": 4, "block": 32, "head_bits": 8}), "cpu") is None
     assert {(4, 32), (8, 32)} <= set(asked) and ((4, 16) in asked) != alike
-    assert kernel_probe.load_block({"bits": 4, "block": 128, "head_bits": 8}) == (None if alike else 16)
-    assert kernel_probe.load_block({"bits": 8, "block": 128, "head_bits": 8}) is None  # int8 is never re-blocked
+    plan = kernel_probe.row_plan(_model({"bits": 4, "block": 128, "head_bits": 8}), "cpu")
+    assert plan == kernel_probe.RowPlan(int4_block=None if alike else 16)
+    # int8 is never re-blocked, and other backends than onnxruntime's CPU ones load graphs as they are
+    assert kernel_probe.row_plan(_model({"bits": 8, "block": 128, "head_bits": 8}), "cpu") == kernel_probe.RowPlan()
+    assert kernel_probe.row_plan(_model({"bits": 4, "block": 128, "head_bits": 8}), "cuda") == kernel_probe.RowPlan()
+
+
+def test_two_row_decode_comes_before_re_blocking(monkeypatch):
+    """Where only the one-row product differs (int4 in blocks of 32 on an AVX2-only CPU: every product of two
+    rows or more computes each row alike) and the model has a T=2 step graph, it decodes in two rows in its own
+    layout; without that graph it is re-blocked; a draft cut from the target takes the target's plan."""
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or block == 16 or least == 2)
+    quant = {"bits": 4, "block": 32, "head_bits": 8}
+    target = _model(quant, steps=(1, 2, 3, 5, 9))
+    assert kernel_probe.row_plan(target, "cpu") == kernel_probe.RowPlan(min_rows=2)
+    assert kernel_probe.row_plan(target, "ort") == kernel_probe.RowPlan(min_rows=2)
+    assert kernel_probe.row_plan(_model(quant, steps=(1, 5, 9)), "cpu") == kernel_probe.RowPlan(int4_block=16)
+    draft = _model(quant, steps=(1, 2))
+    draft.layers_of = "target"
+    assert kernel_probe.row_plan(draft, "cpu", _model(quant, steps=(1, 5))) == kernel_probe.RowPlan(int4_block=16)
+    assert kernel_probe.row_plan(draft, "cpu", target) == kernel_probe.RowPlan(min_rows=2)
+    assert kernel_probe.RowPlan(min_rows=2).min_tokens(1) == 2 and kernel_probe.RowPlan(min_rows=2).min_tokens(4) == 1
+    target.dims = SimpleNamespace(dtype="float32")
+    assert unverified_rows(SimpleNamespace(export={}, target=target), "cpu") is None  # exact as the runtime runs it
 
 
 @pytest.mark.parametrize("onnx_installed", [True, False])
@@ -76,7 +105,7 @@ def test_rows_no_smaller_block_makes_exact_are_not_verified(monkeypatch, onnx_in
     """Where no block that divides the bundle's is alike (int4 in blocks of 16 on aarch64, every int4 block on a
     Cortex-A72: benchmarks/arm/README.md), or the onnx package the rewrite needs is missing, the rows are not
     verified, and the advice names the layouts this machine computes alike."""
-    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: bits == 8 or block == 32)
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or block == 32)
     if not onnx_installed:
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
@@ -93,19 +122,24 @@ def test_rows_no_smaller_block_makes_exact_are_not_verified(monkeypatch, onnx_in
 def test_the_advice_follows_what_the_machine_computes_alike(monkeypatch):
     """On a CPU where int4 in blocks of 16 is the layout that differs (onnxruntime 1.32's aarch64 kernels, under
     emulation: benchmarks/arm/README.md), the advice is blocks of 32; where no layout is alike, float32."""
-    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: (bits, block) != (4, 16))
-    why = kernel_probe.why_inexact({"bits": 4, "block": 16, "head_bits": 8})
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: (bits, block) != (4, 16))
+    why = kernel_probe.why_inexact(_model({"bits": 4, "block": 16, "head_bits": 8}))
     assert "int4 in blocks of 16" in why and why.endswith("--quant int8 or --quant int4 --quant-block 32")
-    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: False)
-    why = kernel_probe.why_inexact({"bits": 8, "block": 32, "head_bits": 8})
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: False)
+    why = kernel_probe.why_inexact(_model({"bits": 8, "block": 32, "head_bits": 8}))
     assert "int8 in blocks of 32" in why and why.endswith("a float32 bundle is")
+    # two rows alike, no smaller block alike, no T=2 graph to decode in: the advice names the export that has one
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or least == 2)
+    why = kernel_probe.why_inexact(_model({"bits": 4, "block": 32, "head_bits": 8}))
+    assert why.endswith("(or re-export with 1 among --gamma: decode then runs in its two-token step graph, exact here)")
+    assert kernel_probe.why_inexact(_model({"bits": 4, "block": 32, "head_bits": 8}, steps=(1, 2, 3))) is None
 
 
 @pytest.mark.parametrize("alike", [True, False])
 def test_export_notes_a_layout_this_machine_computes_inexactly(tiny_models, tmp_path, monkeypatch, capsys, alike):
     """`specedge export` says at once when the machine it runs on would not compute the new bundle's rows
     alike (the probe's answer set here both ways); the bundle is written all the same."""
-    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: alike or bits == 8)
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: alike or bits == 8)
     out = tmp_path / "int4-32"
     assert main(["export", "--target", tiny_models["llama"][0], "--out", str(out), "--context", "64", "--gamma", "2",
                  "--prefill-chunk", str(CHUNK), "--quant", "int4", "--quant-block", "32", "--quiet"]) == 0
@@ -120,13 +154,14 @@ def test_export_notes_a_layout_this_machine_computes_inexactly(tiny_models, tmp_
 
 @pytest.fixture(scope="module")
 def int4_bundles(tiny_models, tmp_path_factory):
-    """The tiny llama as int4 graphs in blocks of 32 (the default) and of 16."""
+    """The tiny llama as int4 graphs in blocks of 32 (the default) and of 16 with --gamma 2 (step graphs T=1
+    and 3), and in blocks of 32 with --gamma 1,2 ("two-row": a T=2 step graph too)."""
     root = tmp_path_factory.mktemp("int4")
     out = {}
-    for block in (None, 16):
-        out[block] = str(root / f"int4-{block}")
-        export_bundle(tiny_models["llama"][0], out[block], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(2,),
-                                                                         quant="int4", quant_block=block),
+    for key, block, gammas in ((None, None, (2,)), (16, 16, (2,)), ("two-row", None, (1, 2))):
+        out[key] = str(root / f"int4-{key}")
+        export_bundle(tiny_models["llama"][0], out[key], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=gammas,
+                                                                       quant="int4", quant_block=block),
                       progress=False)
     return out
 
@@ -134,19 +169,23 @@ def int4_bundles(tiny_models, tmp_path_factory):
 def test_int4_rows_are_measured_on_this_machine(int4_bundles):
     """Which kernel computes a one-row int4 product depends on the CPU: with AVX-512 one kernel takes every row
     count; on AVX2-only x86 a one-row product in blocks of 32 has a kernel of its own, so a bundle in blocks of
-    32 is loaded re-blocked into 16 there; on aarch64 (emulated) four rows of blocks of 16 do. The probe's
-    verdicts agree with `specedge check`'s measurement of a bundle's rows as the runtime loads them, and
-    speculation warns exactly where they are not exact. Both bundles are exact, and silent, on both kinds of x86
-    (aarch64 is another story: with the int8 dot product blocks of 32 are exact and 16 are not)."""
+    32 decodes in two-row steps there, or without a T=2 graph is loaded re-blocked into 16; on aarch64
+    (emulated) four rows of blocks of 16 differ. The probe's verdicts agree with `specedge check`'s measurement
+    of a bundle's rows as the runtime loads and runs them, and speculation warns exactly where they are not
+    exact. The bundles are exact, and silent, on both kinds of x86 (aarch64 is another story: with the int8 dot
+    product blocks of 32 are exact and 16 are not)."""
     from specedge.tools.check import check_bundle
 
-    for block in (DEFAULT_BLOCK[4], 16):
-        loaded = kernel_probe.load_block({"bits": 4, "block": block, "head_bits": 8}) or block
-        exact = kernel_probe.rows_alike(4, loaded)
-        print(f"int4 in blocks of {block}: loaded in blocks of {loaded}, rows alike {exact}")
+    for key in (None, 16, "two-row"):
+        bundle = int4_bundles[key]
+        target = load_manifest(bundle).target
+        block = target.quant["block"]
+        assert block == (16 if key == 16 else DEFAULT_BLOCK[4])
+        plan = kernel_probe.row_plan(target, "cpu")
+        loaded = plan.int4_block or block
+        exact = kernel_probe.rows_alike(4, loaded, plan.min_rows)
+        print(f"int4 in blocks of {block}, step graphs {target.step_tokens()}: {plan}, rows alike {exact}")
         assert exact or platform.machine().lower() not in ("x86_64", "amd64")  # exact on every x86 measured
-        bundle = int4_bundles[None if block == DEFAULT_BLOCK[4] else block]
-        assert load_manifest(bundle).target.quant["block"] == block
         report = check_bundle(bundle)
         assert [ok for ok, text in report.lines if "exact rows" in text] == [exact], report.render()
         assert exact or "re-export with --quant int8" in report.render()
@@ -173,7 +212,7 @@ def test_an_inexact_int4_block_is_loaded_in_a_smaller_exact_one(int4_bundles, tm
     from specedge.runtime import reblock
     from specedge.tools.check import check_bundle
 
-    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block: bits == 8 or block == 16)
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or block == 16)
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
     monkeypatch.setenv("SPECEDGE_ORT_CACHE", "1" if cache else "0")
     rewritten = []
@@ -194,6 +233,40 @@ def test_an_inexact_int4_block_is_loaded_in_a_smaller_exact_one(int4_bundles, tm
         gen.close()
     assert spec.tokens == plain
     assert spec.stats.proposed > 0 and spec.stats.accepted > 0 and spec.stats.proposed > spec.stats.accepted
+
+
+@pytest.mark.parametrize("backend,cache", [("cpu", True), ("cpu", False), ("ort", False)])
+def test_a_lone_inexact_row_decodes_as_two_rows(int4_bundles, tmp_path, monkeypatch, backend, cache):
+    """With the probe's answer set as on an AVX2-only CPU (int4 in blocks of 32 computes a lone row unlike the
+    rows of a multi-row product, and those alike at every count), a bundle in blocks of 32 with a T=2 step graph
+    is loaded as it is and decodes each token as a two-row step: no graph is re-blocked, no T=1 graph is ever
+    loaded, `specedge check` measures its rows exact as the runtime runs them, speculation says nothing, and
+    greedy output equals plain decode's with drafts accepted and rejected. On this machine's real kernels (an
+    AVX2 one: one-row products in blocks of 32 differ) this is the exactness that the plan buys."""
+    from specedge.runtime import reblock
+    from specedge.tools.check import check_bundle
+
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or least == 2)
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECEDGE_ORT_CACHE", "1" if cache else "0")
+    monkeypatch.setattr(reblock, "reblock_int4", lambda model, block: pytest.fail("re-blocked"))
+    bundle = int4_bundles["two-row"]
+    report = check_bundle(bundle, backend=backend, exact_rows=True)
+    assert report.ok and [ok for ok, text in report.lines if "exact rows" in text] == [True], report.render()
+    assert "decode as two-row steps on this machine" in report.render()
+    gen = Generator.load(bundle, backend=backend)
+    try:
+        assert gen.target.plan == kernel_probe.RowPlan(min_rows=2)
+        plain = gen.generate(PROMPT, 24, proposer="none", stop_ids=[]).tokens
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InexactRowsWarning)
+            spec = gen.generate(PROMPT, 24, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
+        loaded = {(role, tokens) for role, tokens, _ in gen.target._steps}
+    finally:
+        gen.close()
+    assert spec.tokens == plain
+    assert spec.stats.proposed > 0 and spec.stats.accepted > 0 and spec.stats.proposed > spec.stats.accepted
+    assert ("step", 2) in loaded and ("step", 3) in loaded and ("step", 1) not in loaded, loaded
 
 
 def test_bundles_without_a_flavour_record_are_portable(tiny_bundle):

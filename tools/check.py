@@ -85,9 +85,11 @@ def _compare(kind: str, got: list[C.TensorSpec], want: list[C.TensorSpec]) -> li
 
 
 def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, index, opset: int,
-                 report: Report, load: bool, backend: str = "cpu", qdq: bool = False, cached: bool = False) -> None:
+                 report: Report, load: bool, backend: str = "cpu", qdq: bool = False, cached: bool = False,
+                 int4_block: int | None = None) -> None:
     """qdq: the qnn-qdq16 flavour (export/qdq.py), whose weight products read int8 DequantizeLinear weights.
-    cached: load through the backend's compiled-graph cache (see _make_backend)."""
+    cached: load through the backend's compiled-graph cache (see _make_backend). int4_block: load the int4
+    products in this block, as the runtime does here (kernel_probe.RowPlan)."""
     import onnx
 
     from ..graphs.external_data import file_pointer
@@ -148,7 +150,7 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
         report.add(False, f"{label}: onnx.checker: {str(e).splitlines()[0]}")
 
     if load:
-        _check_loads(bundle, model, graph, label, report, backend, cached)
+        _check_loads(bundle, model, graph, label, report, backend, cached, int4_block)
 
 
 def _check_quant(proto, model: ModelEntry, qdq: bool = False) -> list[str]:
@@ -220,14 +222,14 @@ def _make_backend(name: str, cached: bool = False):
 
 
 def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, report: Report,
-                 backend_name: str = "cpu", cached: bool = False) -> None:
+                 backend_name: str = "cpu", cached: bool = False, int4_block: int | None = None) -> None:
     started = time.perf_counter()
     try:
         backend = _make_backend(backend_name, cached)
         weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
         session = backend.load(os.path.join(bundle, graph.file), weights, prepack=False, config=model.session_config,
-                               quant=model.quant)
+                               int4_block=int4_block)
         dims = model.graph_dims(graph)
         feeds = {s.name: np.zeros(s.shape, dtype=s.dtype)
                  for s in C.step_inputs(dims, graph.tokens, graph.step_mask, graph.context)}
@@ -251,22 +253,24 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
 
 
 def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backend_name: str = "cpu",
-                logits_scale: float | None = None) -> None:
+                logits_scale: float | None = None, plan: kernel_probe.RowPlan = kernel_probe.RowPlan()) -> None:
     from ..runtime.backends import create_backend
     from .exact_rows import check_model_rows
 
     started = time.perf_counter()
     backend = create_backend(backend_name, threads=None)  # qnn: as the runtime loads it (its context cache)
     try:
-        results = check_model_rows(bundle, model, backend, logits_scale=logits_scale)
+        results = check_model_rows(bundle, model, backend, logits_scale=logits_scale, plan=plan)
     finally:
         backend.close()
     inexact = [r for r in results if not r.exact]
     label = f"{name}: exact rows" + ("" if backend_name == "cpu" else f" on {backend_name}")
-    loaded = kernel_probe.load_block(model.quant) if backend_name in ONNXRUNTIME_CPU else None
-    if loaded:
-        label += (f" (int4 loaded in blocks of {loaded} on this machine, the bundle's {model.quant['block']} "
-                  "re-blocked: runtime/reblock.py)")
+    if plan.int4_block:
+        label += (f" (int4 loaded in blocks of {plan.int4_block} on this machine, the bundle's "
+                  f"{model.quant['block']} re-blocked: runtime/reblock.py)")
+    elif plan.min_rows > 1:
+        label += (f" (decode as two-row steps on this machine, a padding row beside each token: int4 in blocks of "
+                  f"{model.quant['block']} computes a lone row unlike the rest: runtime/kernel_probe.py)")
     if not inexact:
         trees = sum(r.tree for r in results)
         report.add(True, f"{label}: {len({r.graph.file for r in results})} graphs compute each row bit for bit as "
@@ -276,7 +280,7 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
         found = "; ".join(f"{r.graph.file} differs from {r.reference} by {r.max_diff:.3g}" for r in inexact[:3])
         why = ""
         if model.quant and backend_name in ONNXRUNTIME_CPU:
-            reason = kernel_probe.why_inexact(model.quant)
+            reason = kernel_probe.why_inexact(model)
             why = f"; {reason}" if reason else ""
         report.add(False, f"{label}: {found} (speculative output would not equal plain output{why})")
 
@@ -343,16 +347,17 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
                           + ("missing" if size < 0 else f"truncated ({size} bytes, index needs {need})")):
             continue
         skipped = _rows_skipped(backend, kind, exact_rows)
+        plan = kernel_probe.row_plan(model, backend, manifest.target)  # how the runtime loads and runs it here
         for graph in model.graphs:
             _check_graph(bundle, name, model, graph, index, manifest.opset, report, load, backend,
-                         qdq=kind == "qnn-qdq16", cached=skipped is None)
+                         qdq=kind == "qnn-qdq16", cached=skipped is None, int4_block=plan.int4_block)
         if kind == "qnn-qdq16":
             _check_logits_grid(bundle, name, model, manifest.logits_scale(name), report)
         if load and report.ok:
             if skipped:
                 report.add(True, f"{name}: exact rows {skipped}")
             else:
-                _check_rows(bundle, name, model, report, backend, manifest.logits_scale(name))
+                _check_rows(bundle, name, model, report, backend, manifest.logits_scale(name), plan)
     for f in manifest.tokenizer.files:
         report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
     return report

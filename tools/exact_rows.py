@@ -8,6 +8,9 @@ plain decode at a near tie, and "speculative output equals plain output" fails; 
 The check drives the graphs through the contract with the runtime's own backend, from a past of random K/V
 and random tokens: for every T > 1 graph, one T-token run against T one-token runs in the same bucket
 (logits and new K/V compared bitwise), and the one-token graph of every bucket against the smallest bucket.
+Decode runs as the runtime runs it on this machine (runtime/kernel_probe.py, RowPlan): where each decoded token
+is a two-row step with a padding row, the one-token runs are T=2 runs of one token, and the T=1 graphs, which
+the runtime does not run there, are left out.
 A tree graph (step_mask) also runs a spine-plus-leaves token tree, each row against one-token runs along its
 path from the root (the trees the runtime verifies; docs/bundle.md).
 """
@@ -21,6 +24,7 @@ import numpy as np
 from ..graphs import contract as C
 from ..graphs.manifest import GraphEntry, ModelEntry, read_index, weights_index_file
 from ..runtime.backends import trim_heap
+from ..runtime.kernel_probe import RowPlan
 from ..runtime.model import snap_to_grid
 from ..runtime.tree import TreeLayout, spine_and_leaves
 
@@ -53,8 +57,10 @@ STALE_FLOAT16 = 16.0
 class GraphDriver:
     """The contract's host side for one model: a cache per bucket, and `run(graph, tokens, start)`."""
 
-    def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0, logits_scale: float | None = None):
+    def __init__(self, bundle: str, model: ModelEntry, backend, seed: int = 0, logits_scale: float | None = None,
+                 plan: RowPlan = RowPlan()):
         self.bundle, self.model, self.backend, self.dims = bundle, model, backend, model.dims
+        self.plan = plan  # how the runtime loads and feeds the graphs on this backend
         self.logits_scale = logits_scale  # qnn-qdq16: logits are compared on the grid the runtime snaps them onto
         self.weights = os.path.join(bundle, model.weights)
         backend.add_weights_file(self.weights, read_index(os.path.join(bundle, weights_index_file(model.weights))))
@@ -74,16 +80,19 @@ class GraphDriver:
 
     def run(self, graph: GraphEntry, keys, values, tokens: np.ndarray, start: int,
             tree: TreeLayout | None = None) -> dict:
-        """One run of `graph` on tokens [B, T] at slots start.., writing the new K/V into keys/values. A row
-        graph (batch 1) runs on the first row only. A graph with step_mask runs a chain (the causal mask), or
-        `tree` (its T rows: positions start + depth, each row seeing its ancestors)."""
+        """One run of `graph` on tokens [B, n] at slots start.., writing the new K/V of the n rows into
+        keys/values and returning the n rows' outputs; n < T pads with token 0, as the runtime does. A row graph
+        (batch 1) runs on the first row only. A graph with step_mask runs a chain (the causal mask), or `tree`
+        (its T rows: positions start + depth, each row seeing its ancestors)."""
         d, T = self.model.graph_dims(graph), graph.tokens
         tokens, B = tokens[: d.batch], d.batch
+        n = tokens.shape[1]
+        tokens = np.pad(tokens, ((0, 0), (0, T - n)))
         key = _session_key(graph)
         if key not in self.sessions:
             self.sessions[key] = self.backend.load(os.path.join(self.bundle, graph.file), self.weights,
                                                    prepack=True, config=self.model.session_config,
-                                                   quant=self.model.quant)
+                                                   int4_block=self.plan.int4_block)
         depth = np.arange(T) if tree is None else tree.depth
         feeds = {C.INPUT_IDS: np.ascontiguousarray(tokens, dtype=np.int64),
                  C.POSITION_IDS: np.broadcast_to(start + depth, (d.batch, T)).copy(),
@@ -100,9 +109,11 @@ class GraphDriver:
         session.run()
         if self.logits_scale is not None and C.LOGITS in outputs:  # prefill graphs return no logits
             snap_to_grid(outputs[C.LOGITS], self.logits_scale)
+        if n < T:
+            outputs = {k: v[:, :n] if k == C.LOGITS else v[:, :, :n] for k, v in outputs.items()}
         for i in range(d.num_layers):
-            keys[i, :B, :, start:start + T] = outputs[C.new_key(i)]
-            values[i, :B, :, start:start + T] = outputs[C.new_value(i)]
+            keys[i, :B, :, start:start + n] = outputs[C.new_key(i)]
+            values[i, :B, :, start:start + n] = outputs[C.new_value(i)]
         return outputs
 
     def release(self, graph: GraphEntry) -> None:
@@ -129,12 +140,13 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)).max()) for k in a.keys() & b.keys())
 
 
-def one_token_steps(model: ModelEntry) -> dict[int, GraphEntry]:
-    """The one-token step graph the runtime decodes with, per bucket: the causal one, or the masked one in a
-    bundle exported with --step-mask, where every step graph takes a mask (the driver feeds it the causal one)."""
+def one_token_steps(model: ModelEntry, tokens: int = 1) -> dict[int, GraphEntry]:
+    """The step graph the runtime decodes with, per bucket: the causal one, or the masked one in a bundle
+    exported with --step-mask, where every step graph takes a mask (the driver feeds it the causal one). `tokens`:
+    its T, 2 where decode feeds one token and a padding row (RowPlan.min_tokens)."""
     decode: dict[int, GraphEntry] = {}
     for g in model.batch_graphs:
-        if g.role == C.STEP and g.tokens == 1 and (g.context not in decode or decode[g.context].step_mask):
+        if g.role == C.STEP and g.tokens == tokens and (g.context not in decode or decode[g.context].step_mask):
             decode[g.context] = g
     return decode
 
@@ -162,20 +174,24 @@ def tree_rows(driver: GraphDriver, graph: GraphEntry, decode: GraphEntry, start:
 
 
 def check_model_rows(bundle: str, model: ModelEntry, backend, seed: int = 0,
-                     logits_scale: float | None = None) -> list[RowsResult]:
+                     logits_scale: float | None = None, plan: RowPlan = RowPlan()) -> list[RowsResult]:
     """Every T > 1 graph (and a batch model's T=1 row graph) against one-token steps in its bucket, and every
     bucket's one-token graph against the smallest bucket's. Each T-token run starts T + 3 slots before its
     bucket's end, so the comparison covers the whole slot range the bucket's reductions run over.
     `logits_scale`: the manifest's logits grid (qnn-qdq16), which the runtime snaps logits onto; the rows are
-    compared as the runtime reads them."""
+    compared as the runtime reads them. `plan`: how the runtime loads the graphs and decodes on this backend
+    (kernel_probe.row_plan); graphs it does not run (T=1 under two-row decode) are left out."""
     d = model.dims
-    driver = GraphDriver(bundle, model, backend, seed, logits_scale)
-    decode = one_token_steps(model)
+    driver = GraphDriver(bundle, model, backend, seed, logits_scale, plan)
+    least = plan.min_tokens(d.batch)
+    decode = one_token_steps(model, least)
     results = []
     try:
         for graph in model.graphs:
-            reference = graph.tokens == 1 and graph.batch is None  # a row step graph of T=1 is compared too
-            if reference or graph.context not in decode or graph.tokens + 3 > graph.context:
+            row = graph.batch is not None  # a row step graph of T=1 is compared too
+            unused = graph.tokens < (plan.min_rows if row else least)
+            if (unused or (graph.tokens == 1 and not row) or graph.context not in decode
+                    or graph.tokens + 3 > graph.context):
                 continue
             T, S = graph.tokens, graph.context
             start = S - T - 3

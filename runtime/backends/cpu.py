@@ -12,7 +12,6 @@ import sys
 from ...errors import BackendError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import ORT_SESSION_CONFIG
-from .. import kernel_probe
 from ..reblock import reblocked_graph
 from . import DroppingPages, map_weights, release_pages, trim_heap, ort_capi
 
@@ -46,14 +45,14 @@ class CapiBackend:
         self._names[path] = set(index)
 
     def load(self, graph_path: str, weights_path: str, prepack: bool = True, config: dict[str, str] | None = None,
-             quant: dict | None = None):
+             int4_block: int | None = None):
         """`config`: onnxruntime session config entries the graph needs (the manifest's, see ModelEntry). A
         quantized graph (its config sets the MatMulNBits accuracy level) loads through the optimized-graph
-        cache (ort_cache.py) unless SPECEDGE_ORT_CACHE=0. `quant`: the model's quant record; its int4 products
-        are loaded in smaller blocks where this machine computes the bundle's block inexactly (reblock.py)."""
+        cache (ort_cache.py) unless SPECEDGE_ORT_CACHE=0. `int4_block`: load the graph's int4 products in this
+        smaller block (reblock.py; the model's kernel_probe.RowPlan says when)."""
         env = self._envs[weights_path]
         level, model = "all", None
-        block = kernel_probe.load_block(quant)
+        block = int4_block
         try:
             if config and QUANT_KEY in config and os.environ.get("SPECEDGE_ORT_CACHE", "1") != "0":
                 optimized = self._optimized_graph(env, graph_path, weights_path, config, block)

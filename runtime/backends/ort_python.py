@@ -14,7 +14,6 @@ import numpy as np
 from ...errors import BackendError, PlacementError
 from ...graphs.manifest import WeightRef
 from ...graphs.quant import PackedInt4
-from .. import kernel_probe
 from ..reblock import EXTERNAL_DATA_FOLDER, external_data_folder, reblocked_graph
 from . import map_weights, release_pages, trim_heap
 
@@ -125,13 +124,13 @@ class OrtBackend:
                                if not isinstance(a, PackedInt4)}
 
     def load(self, graph_path: str, weights_path: str, prepack: bool = True,
-             config: dict[str, str] | None = None, quant: dict | None = None) -> OrtSession:
-        """`quant`: the model's quant record; on the CPU its int4 products are loaded in smaller blocks where this
-        machine computes the bundle's block inexactly (reblock.py)."""
+             config: dict[str, str] | None = None, int4_block: int | None = None) -> OrtSession:
+        """`int4_block`: on the CPU, load the graph's int4 products in this smaller block (reblock.py; the model's
+        kernel_probe.RowPlan says when)."""
         so = self.session_options(weights_path, prepack, config)
         try:
             source = graph_path
-            block = kernel_probe.load_block(quant) if self.name == "ort" else None
+            block = int4_block if self.name == "ort" else None
             if block is not None:
                 source = reblocked_graph(graph_path, block)
                 so.add_session_config_entry(EXTERNAL_DATA_FOLDER, external_data_folder(graph_path))

@@ -120,10 +120,10 @@ class QnnBackend(OrtBackend):
 
     # -- sessions ----------------------------------------------------------------------------------------
     def load(self, graph_path: str, weights_path: str, prepack: bool = True,
-             config: dict[str, str] | None = None, quant: dict | None = None) -> OrtSession:
+             config: dict[str, str] | None = None, int4_block: int | None = None) -> OrtSession:
         """A session running `graph_path` on the HTP; loads.append() says how (compiled or cached) and where
-        its nodes run. `prepack` means nothing to QNN (it packs weights into its own binary), nor `quant` (its
-        graphs are never re-blocked: the HTP's rows are not onnxruntime's CPU kernels')."""
+        its nodes run. `prepack` means nothing to QNN (it packs weights into its own binary), nor
+        `int4_block` (its graphs are never re-blocked: the HTP's rows are not onnxruntime's CPU kernels')."""
         started = time.perf_counter()
         if self.cache is None:
             session, source, ctx = self._create(graph_path, weights_path, config), "compiled", None
