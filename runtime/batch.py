@@ -280,7 +280,8 @@ class BatchRunner:
             return {}
         # A row that runs alone takes the row step graphs (bundle version 4): a batch step computes every row.
         # Its rounds cost less than the batch's, so their seconds are measured apart.
-        lone = next(iter(drafts)) if len(drafts) == 1 and target.row_step_sizes else None
+        only = next(iter(drafts)) if len(drafts) == 1 else None
+        lone = only if only is not None and target.row_fits(only) else None
 
         def cost_key():  # the bucket the step runs in (a run may move the cache to a larger one)
             return target.cache.bucket if lone is None else (target.cache.bucket, "row")

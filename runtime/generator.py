@@ -241,7 +241,7 @@ class Generator:
         clean = True  # the caches hold exactly what the loop committed (false while a round runs)
         try:
             while not reason:
-                if target.cache.free < 1:
+                if target.step_graph_for(1) is None:  # no free slot (two-row decode: none for its padding row)
                     reason = "context_full"
                     break
                 clean = False

@@ -419,6 +419,12 @@ class ModelRunner:
         rows, sizes = self._row_step_tokens, set(self._widen(self._step_sizes, row=True))
         return sorted(sizes) if rows and rows.issuperset(sizes) else []
 
+    def row_fits(self, row: int) -> bool:
+        """Whether row `row` can run alone: the bundle has row step graphs and the smallest fits in its free slots
+        (under two-row decode it needs a slot for its padding row; a batch step then computes it with the rest)."""
+        sizes = self.row_step_sizes
+        return bool(sizes) and sizes[0] <= self.cache.capacity - int(self.cache.length[row])
+
     def run_row(self, row: int, tokens: list[int]) -> np.ndarray:
         """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step
         computes every row, idle ones included): the other rows' caches are untouched. Returns logits [T, V]

@@ -7,14 +7,15 @@ onnxruntime kernel computes the product. On AVX2-only x86 CPUs a one-row int4 pr
 runs through a kernel of its own whose rows differ from the multi-row kernel's, while blocks of 16 take one
 kernel at every row count (runtime/kernel_probe.py). Re-blocked at load, a bundle exported in blocks of 32, 64
 or 128 (the layouts that are fast on AVX-512 and ARM, or that TensorRT imports) decodes exactly on such a CPU,
-at the speed of blocks of 16.
+at the speed of blocks of 16. Where the bundle has a T=2 step graph the runtime decodes in two rows instead,
+in the bundle's own block (kernel_probe.row_plan): faster there; re-blocking serves the bundles without one.
 
 The rewrite is done on the graph, not on the weights file: each int4 DequantizeLinear gets its scale through
 Reshape -> Expand -> Reshape (-> Slice when K is not a multiple of B) and the new block_size. onnxruntime's
 optimizer folds that chain of constants into one scale tensor and then fuses the product into MatMulNBits as
 usual, so a session holds nothing more than a bundle exported in blocks of b would. The backends over
-onnxruntime's CPU kernels (`cpu`, `ort`) load a graph re-blocked where kernel_probe.load_block says so. The
-rewrite needs the onnx package (`pip install onnx`, part of specedge[export]); without it the bundle loads as it
+onnxruntime's CPU kernels (`cpu`, `ort`) load a graph re-blocked where the model's kernel_probe.RowPlan says
+so. The rewrite needs the onnx package (`pip install onnx`, part of specedge[export]); without it the bundle loads as it
 is and speculation on it says that its rows may differ (runtime/exactness.py).
 """
 from __future__ import annotations
