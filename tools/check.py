@@ -347,7 +347,8 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
                           + ("missing" if size < 0 else f"truncated ({size} bytes, index needs {need})")):
             continue
         skipped = _rows_skipped(backend, kind, exact_rows)
-        plan = kernel_probe.row_plan(model, backend, manifest.target)  # how the runtime loads and runs it here
+        # how the runtime loads and runs the model here (the probe runs a product: not for --no-load)
+        plan = kernel_probe.row_plan(model, backend, manifest.target) if load else kernel_probe.RowPlan()
         for graph in model.graphs:
             _check_graph(bundle, name, model, graph, index, manifest.opset, report, load, backend,
                          qdq=kind == "qnn-qdq16", cached=skipped is None, int4_block=plan.int4_block)
