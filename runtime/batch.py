@@ -446,7 +446,7 @@ class BatchGenerator:
         if manifest.draft:
             shares = self.target if shares_target_cache(manifest) else None
             self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares,
-                                     logits_scale=manifest.logits_scale("draft"))
+                                     logits_scale=manifest.logits_scale("draft"), draft_of=manifest.target)
         self.runner = BatchRunner(self.target, manifest, self.eos_ids, self.draft)
 
     @classmethod

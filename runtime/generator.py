@@ -63,7 +63,7 @@ class Generator:
         if manifest.draft:
             shares = self.target if shares_target_cache(manifest) else None
             self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares,
-                                     logits_scale=manifest.logits_scale("draft"))
+                                     logits_scale=manifest.logits_scale("draft"), draft_of=manifest.target)
         self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)

@@ -127,11 +127,16 @@ class RowPlan:
 
 def row_plan(model, backend: str, target=None) -> RowPlan:
     """The RowPlan of `model` (a manifest ModelEntry) on `backend`; other backends than onnxruntime's CPU ones load
-    and run graphs as they are. A draft is planned like a target (`specedge check` holds its rows to the same
-    rule; its graphs always have T=2, for its catch-up), and one cut from the `target`'s layers takes the
-    target's plan: their sessions share one packed copy of each weight, which must be of one layout."""
-    if target is not None and model.layers_of == "target":
-        return row_plan(target, backend)
+    and run graphs as they are. `target`: the target's entry when `model` is its draft.
+
+    A draft's rows need not be exact: its tokens are proposals that the target's verify step judges, its logits
+    are only the q of a sampled proposal (taken from the same run that drew it), and its K/V are its own (a
+    draft model's cache) or overwritten by the verify step (a layer draft's rows past the target's valid
+    length). So a draft decodes in one-row steps, through onnxruntime's fastest kernel, whatever its rows'
+    kernels are; one cut from the target's layers loads in the target's layout (their sessions share one packed
+    copy of each weight), a draft model as exported."""
+    if target is not None:
+        return RowPlan(int4_block=row_plan(target, backend).int4_block if model.layers_of == "target" else None)
     quant = model.quant
     if backend not in ONNXRUNTIME_CPU or not quant or 4 not in (int(quant["bits"]), int(quant["head_bits"])):
         return RowPlan()

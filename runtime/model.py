@@ -87,11 +87,12 @@ class _RowStep:
 
 class ModelRunner:
     def __init__(self, name: str, bundle_dir: str, entry: ModelEntry, backend, shares: "ModelRunner | None" = None,
-                 logits_scale: float | None = None):
+                 logits_scale: float | None = None, draft_of: ModelEntry | None = None):
         """`shares`: the target, for a draft cut from its first layers that reads the target's cache.
         `logits_scale`: the grid the graphs' logits lie on (Manifest.logits_scale), snapped onto after each run.
-        The model's RowPlan (kernel_probe.py) says how its graphs load and the fewest rows a step computes; a
-        draft cut from the target takes the target's (their sessions share one packed copy of each weight)."""
+        `draft_of`: the target's entry, when this model drafts for it. The model's RowPlan (kernel_probe.py) says
+        how its graphs load and the fewest rows a step computes; a draft's rows only propose, so it decodes in
+        one-row steps, in the target's layout when it is cut from the target's layers."""
         self.name = name
         self._logits_scale = logits_scale
         self.entry = entry
@@ -99,7 +100,7 @@ class ModelRunner:
         self.cache = SharedKVCache(entry.dims, shares.cache) if shares else KVCache(entry.dims, entry.buckets())
         self.bundle_dir = bundle_dir
         self._backend = backend
-        self.plan = row_plan(entry, backend.name, shares.entry if shares is not None else None)
+        self.plan = row_plan(entry, backend.name, draft_of)
         self._min_tokens = self.plan.min_tokens(entry.dims.batch)  # T below it would compute rows unlike others
         self._steps: dict[tuple[str, int, int], _Step] = {}  # (role, T, context)
         self._step_buffers: dict[tuple[str, int, bool], _StepBuffers] = {}  # (role, T, step_mask)
@@ -191,17 +192,19 @@ class ModelRunner:
             used += min(T, n - used)
 
     # -- graph choice --------------------------------------------------------------------------------
+    def _least(self, row: bool) -> int:
+        """The smallest T whose steps compute the plan's fewest rows: a row graph computes T rows, a batch graph
+        B*T."""
+        return self.plan.min_rows if row else self._min_tokens
+
     def _usable(self, sizes: list[int], row: bool = False) -> list[int]:
-        """The graph sizes T whose steps compute the plan's fewest rows (all but T=1 under two-row decode); a
-        row graph computes T rows, a batch graph B*T."""
-        least = self.plan.min_rows if row else self._min_tokens
-        return [t for t in sizes if t >= least]
+        """The graph sizes T the plan runs (all but T=1 under two-row decode)."""
+        return [t for t in sizes if t >= self._least(row)]
 
     def _widen(self, sizes: list[int] | None, row: bool = False) -> list[int] | None:
         """Sizes asked for, each raised to the smallest the plan allows (two-row decode: a one-token run pads
         into T=2)."""
-        least = self.plan.min_rows if row else self._min_tokens
-        return None if sizes is None else [max(t, least) for t in sizes]
+        return None if sizes is None else [max(t, self._least(row)) for t in sizes]
 
     def use_steps(self, sizes: list[int] | None) -> list[int]:
         """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a

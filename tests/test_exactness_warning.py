@@ -84,7 +84,8 @@ def test_quantized_rows_are_verified_where_the_machine_computes_them_alike(monke
 def test_two_row_decode_comes_before_re_blocking(monkeypatch):
     """Where only the one-row product differs (int4 in blocks of 32 on an AVX2-only CPU: every product of two
     rows or more computes each row alike) and the model has a T=2 step graph, it decodes in two rows in its own
-    layout; without that graph it is re-blocked; a draft cut from the target takes the target's plan."""
+    layout; without that graph it is re-blocked. A draft decodes in one-row steps (its rows only propose), one cut
+    from the target's layers in the target's layout (they share packed weights), a draft model as exported."""
     monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or block == 16 or least == 2)
     quant = {"bits": 4, "block": 32, "head_bits": 8}
     target = _model(quant, steps=(1, 2, 3, 5, 9))
@@ -94,7 +95,10 @@ def test_two_row_decode_comes_before_re_blocking(monkeypatch):
     draft = _model(quant, steps=(1, 2))
     draft.layers_of = "target"
     assert kernel_probe.row_plan(draft, "cpu", _model(quant, steps=(1, 5))) == kernel_probe.RowPlan(int4_block=16)
-    assert kernel_probe.row_plan(draft, "cpu", target) == kernel_probe.RowPlan(min_rows=2)
+    assert kernel_probe.row_plan(draft, "cpu", target) == kernel_probe.RowPlan()
+    draft.layers_of = None  # a draft model of its own, in blocks of 32 like the target
+    assert kernel_probe.row_plan(draft, "cpu", _model(quant, steps=(1, 5))) == kernel_probe.RowPlan()
+    assert kernel_probe.row_plan(draft, "cpu") == kernel_probe.RowPlan(min_rows=2)  # planned as a target
     assert kernel_probe.RowPlan(min_rows=2).min_tokens(1) == 2 and kernel_probe.RowPlan(min_rows=2).min_tokens(4) == 1
     target.dims = SimpleNamespace(dtype="float32")
     assert unverified_rows(SimpleNamespace(export={}, target=target), "cpu") is None  # exact as the runtime runs it
@@ -267,6 +271,55 @@ def test_a_lone_inexact_row_decodes_as_two_rows(int4_bundles, tmp_path, monkeypa
     assert spec.tokens == plain
     assert spec.stats.proposed > 0 and spec.stats.accepted > 0 and spec.stats.proposed > spec.stats.accepted
     assert ("step", 2) in loaded and ("step", 3) in loaded and ("step", 1) not in loaded, loaded
+
+
+@pytest.fixture(scope="module")
+def int4_draft_bundles(tiny_models, tiny_near_draft_model, tmp_path_factory):
+    """The tiny llama as int4 graphs in blocks of 32 with a T=2 step graph (--gamma 1,2), with a layer draft
+    (its first layer) and with a draft model of its own (a perturbed copy, int4 too)."""
+    root = tmp_path_factory.mktemp("int4_drafts")
+    out = {}
+    for kind, options, draft in (("layer", {"draft_layers": 1}, None), ("model", {}, tiny_near_draft_model[0])):
+        out[kind] = str(root / kind)
+        export_bundle(tiny_models["llama"][0], out[kind], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(1, 2),
+                                                                        quant="int4", **options),
+                      draft_path=draft, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["layer", "model"])
+def test_a_draft_decodes_in_one_row_steps_while_the_target_decodes_in_two(int4_draft_bundles, monkeypatch, kind):
+    """A draft's rows only propose: with the probe's answer set as on an AVX2-only CPU (a lone int4 row in blocks
+    of 32 differs), the target decodes in two rows and the draft, a layer draft or a draft model, in one-row steps
+    through that kernel; greedy output still equals plain decode's, drafts accepted and rejected, and `specedge
+    check --exact-rows` passes, saying where the draft's rows differ. On this machine's real kernels (on an AVX2
+    one the one-row kernel is the lone row's, unlike the rest) that is a measured difference, not a set one."""
+    from specedge.tools.check import check_bundle
+
+    lone_row_alike = kernel_probe.rows_alike(4, DEFAULT_BLOCK[4])  # this machine's real answer
+    monkeypatch.setattr(kernel_probe, "rows_alike", lambda bits, block, least=1: bits == 8 or least == 2)
+    bundle = int4_draft_bundles[kind]
+    assert load_manifest(bundle).draft.quant["bits"] == 4
+    report = check_bundle(bundle, exact_rows=True)
+    assert report.ok, report.render()
+    draft_rows = [text for _, text in report.lines if text.startswith("draft: ") and "rows" in text]
+    assert len(draft_rows) == 1 and draft_rows[0].startswith(
+        "draft: exact rows" if lone_row_alike else "draft: rows differ from decode's"), draft_rows
+    assert lone_row_alike or "a draft only proposes, so speculation stays exact" in draft_rows[0]
+    gen = Generator.load(bundle)
+    try:
+        assert gen.target.plan == kernel_probe.RowPlan(min_rows=2) and gen.draft.plan == kernel_probe.RowPlan()
+        plain = gen.generate(PROMPT, 24, proposer="none", stop_ids=[]).tokens
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InexactRowsWarning)
+            spec = gen.generate(PROMPT, 24, proposer="draft", gamma=2, stop_ids=[], adaptive=False)
+        target_steps = {tokens for role, tokens, _ in gen.target._steps if role == "step"}
+        draft_steps = {tokens for role, tokens, _ in gen.draft._steps if role == "step"}
+    finally:
+        gen.close()
+    assert spec.tokens == plain
+    assert spec.stats.proposed > spec.stats.accepted > 0
+    assert 1 not in target_steps and 1 in draft_steps, (target_steps, draft_steps)
 
 
 def test_bundles_without_a_flavour_record_are_portable(tiny_bundle):

@@ -1,9 +1,10 @@
 """Two-row decode (runtime/kernel_probe.py, RowPlan.min_rows = 2): every one-token run is a T=2 step with a padding
 row, so no step computes a lone row. The plan is chosen for int4 bundles on CPUs whose one-row int4 kernel differs
 (AVX2); here it is forced on float32 bundles, whose rows are exact at every T on every CPU, so the mechanics can
-be checked against the plain plan's output bit for bit: the same tokens, no T=1 graph ever loaded, through
-prefill, decode, every proposer (a layer draft sharing the target's cache, a draft model with its own), batches
-with lone rows, and the end of the context, where the padding row needs a slot of its own.
+be checked against the plain plan's output bit for bit: the same tokens, no T=1 graph of the target ever loaded,
+through prefill, decode, every proposer (a layer draft sharing the target's cache, a draft model with its own: a
+draft's rows only propose, so it decodes in one-row steps under any plan), batches with lone rows, and the end of
+the context, where the padding row needs a slot of its own.
 """
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.runtime import model as model_module
 from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.generator import Generator
-from specedge.runtime.kernel_probe import RowPlan
+from specedge.runtime.kernel_probe import RowPlan, row_plan
 
 TWO_ROWS = RowPlan(min_rows=2)
 
 
 def _load(cls, bundle: str, plan: RowPlan | None):
-    """A generator whose models run under `plan` (None: the plan this machine chooses, as exported for float32)."""
+    """A generator whose target runs under `plan` (None: the plan this machine chooses, as exported for float32);
+    its draft is planned by the runtime's own rule."""
     with pytest.MonkeyPatch.context() as patch:
         if plan is not None:
-            patch.setattr(model_module, "row_plan", lambda *args: plan)
+            patch.setattr(model_module, "row_plan", lambda model, backend, target=None:
+                          plan if target is None else row_plan(model, backend, target))
         return cls.load(bundle)
 
 
@@ -44,17 +47,17 @@ def layer_draft_pair(tiny_bundle):
 @pytest.mark.parametrize("proposer,gamma", [("none", 1), ("ngram", 1), ("ngram", 4), ("draft", 2), ("draft", 8)])
 def test_two_row_decode_gives_the_plain_plans_tokens(layer_draft_pair, proposer, gamma):
     """Greedy output under two-row decode equals the one-row plan's, for every proposer; speculation ran, with
-    drafts accepted and rejected; the T=1 graphs were never loaded."""
+    drafts accepted and rejected; the target's T=1 graphs were never loaded, the draft's were."""
     plain, two = layer_draft_pair
     prompt = prompt_of(CHUNK + 7, 3)
     want = plain.generate(prompt, 40, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
     got = two.generate(prompt, 40, proposer=proposer, gamma=gamma, stop_ids=[], adaptive=False)
-    assert two.target.plan == TWO_ROWS and two.draft.plan == TWO_ROWS  # the layer draft follows the target
+    assert two.target.plan == TWO_ROWS and two.draft.plan == RowPlan()  # a draft decodes in one-row steps
     assert got.tokens == want.tokens
     if proposer != "none":
         assert got.stats.proposed > got.stats.accepted > 0
-    assert 1 not in _step_sizes(two.target) | _step_sizes(two.draft), _step_sizes(two.target)
-    assert 2 in _step_sizes(two.target) and (proposer != "draft" or 2 in _step_sizes(two.draft))
+    assert 1 not in _step_sizes(two.target) and 2 in _step_sizes(two.target), _step_sizes(two.target)
+    assert proposer != "draft" or 1 in _step_sizes(two.draft), _step_sizes(two.draft)
 
 
 def test_the_padding_row_needs_a_slot_at_the_end_of_the_context(layer_draft_pair):
@@ -72,7 +75,7 @@ def test_the_padding_row_needs_a_slot_at_the_end_of_the_context(layer_draft_pair
         longest, 5, proposer="none", stop_ids=[]).tokens[:1]
 
 
-def test_a_draft_model_with_its_own_cache_decodes_in_two_rows_too(tiny_pair_bundle):
+def test_a_draft_model_with_its_own_cache_decodes_in_one_row_steps(tiny_pair_bundle):
     plain, two = _load(Generator, tiny_pair_bundle, None), _load(Generator, tiny_pair_bundle, TWO_ROWS)
     try:
         prompt = prompt_of(CHUNK + 3, 4)
@@ -80,7 +83,7 @@ def test_a_draft_model_with_its_own_cache_decodes_in_two_rows_too(tiny_pair_bund
             want = plain.generate(prompt, 32, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
             got = two.generate(prompt, 32, proposer="draft", gamma=gamma, stop_ids=[], adaptive=False)
             assert got.tokens == want.tokens and got.stats.proposed > got.stats.accepted > 0
-        assert 1 not in _step_sizes(two.target) | _step_sizes(two.draft)
+        assert 1 not in _step_sizes(two.target) and 1 in _step_sizes(two.draft)
     finally:
         plain.close()
         two.close()
