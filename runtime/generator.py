@@ -253,6 +253,11 @@ class Generator:
                     proposal = drafter.propose_tree(context, k, tree - 1, sampler)
                 else:
                     proposal = drafter.propose(context, k, sampler)
+                # A round that proposes nothing still computes the step's spare rows (two-row decode's padding
+                # row): a free guess there (prompt lookup's) costs nothing, and DraftLength does not see it.
+                spare = min(target.spare_rows, max_new_tokens - emitted - 1) if not proposal.tokens else 0
+                if spare > 0:
+                    proposal = drafter.spare(context, spare)
                 if emitted < min_new_tokens:  # a held-back stop id ends what can be accepted
                     proposal = proposal.emittable(emitted, min_new_tokens, stop)
                 t1 = time.perf_counter()
@@ -273,7 +278,7 @@ class Generator:
                                                                  proposal.draft_probs, p, sampler.rng)
                     target.cache.set_length(base + 1 + n_accepted)
                     drafter.commit(n_accepted, next_token)
-                    length.update(len(proposal.tokens), n_accepted)
+                    length.update(0 if spare > 0 else len(proposal.tokens), n_accepted)
                     accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
                     hold = (emitted, min_new_tokens, stop)
@@ -282,6 +287,9 @@ class Generator:
                         keep_raw=logprobs is not None)
                     t2 = time.perf_counter()
                 new, reason = cut_round(accepted + [int(next_token)], emitted, max_new_tokens, stop, stop_strings)
+                if spare > 0:
+                    stats.spare_proposed += len(proposal.tokens)
+                    stats.spare_accepted += len(new) - 1
                 if tree and k:  # what this kind of round was worth (proposing and verifying)
                     choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new

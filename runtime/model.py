@@ -218,6 +218,12 @@ class ModelRunner:
         """The step graphs runs may use (use_steps)."""
         return self._step_sizes
 
+    @property
+    def spare_rows(self) -> int:
+        """Rows past the first that every step of this model computes anyway: under two-row decode a one-token
+        step's padding row. A proposal can fill them at no cost."""
+        return self._min_tokens - 1
+
     def step_graph_for(self, n: int) -> int | None:
         """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
         return _smallest_fit(self._step_sizes, n, self.cache.free)

@@ -111,6 +111,9 @@ class NoProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return EMPTY
 
+    def spare(self, context: list[int], n: int) -> Proposal:
+        return EMPTY  # plain decode stays plain decode: its padding row stays padding
+
     def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
         pass
 
@@ -151,6 +154,13 @@ class NgramProposer:
         context = np.asarray(context)
         chain = ngram_chain(context, k, self.n_min, self.n_max)
         return Proposal(chain or self._from_history(context, k), None)
+
+    def spare(self, context: list[int], n: int) -> Proposal:
+        """Up to n drafts for rows that the step computes anyway (two-row decode's padding row, ModelRunner.
+        spare_rows), for a round that proposes nothing (no match, or a pause after misses): the longest suffix
+        down to one token. A 1-token suffix drafts too often to pay for a longer verify step (NGRAM_SIZES), but
+        here a draft costs nothing, and an accepted one saves a round."""
+        return Proposal(ngram_chain(np.asarray(context), n, 1, self.n_max), None)
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1 or nodes < 1:
@@ -273,6 +283,9 @@ class DraftModelProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.propose_tree(context, k, k, sampler)
 
+    def spare(self, context: list[int], n: int) -> Proposal:
+        return EMPTY  # a draft's token costs a draft step: never free
+
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         """A chain of k drafts, plus leaves (the draft's next candidates at the first positions) up to
         `nodes` nodes; nodes == k: a chain."""
@@ -323,6 +336,9 @@ class LayerDraftProposer:
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.propose_tree(context, k, k, sampler)
+
+    def spare(self, context: list[int], n: int) -> Proposal:
+        return EMPTY  # a draft's token costs a draft step: never free
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1:

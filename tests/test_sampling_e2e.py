@@ -128,7 +128,7 @@ def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **pen
     drafts were proposed, some accepted and some rejected (with trees: tree rounds ran, and some accepted
     paths ended in a node off the first chain)."""
     counts = np.zeros(V ** 3)
-    proposed = accepted = tree_rounds = off_chain = 0
+    proposed = accepted = tree_rounds = off_chain = spare_proposed = spare_accepted = 0
     for i in range(n):
         out = gen.generate(prompt, 3, proposer=proposer, gamma=gamma, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=seed * 1_000_003 + i,
@@ -140,6 +140,10 @@ def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **pen
         accepted += out.stats.accepted
         tree_rounds += out.stats.tree_rounds
         off_chain += out.stats.off_chain_accepted
+        spare_proposed += out.stats.spare_proposed
+        spare_accepted += out.stats.spare_accepted
+    if gen.target.spare_rows and proposer == "ngram":  # guesses in two-row decode's padding row ran too
+        assert 0 < spare_accepted < spare_proposed, (spare_accepted, spare_proposed)
     if proposer != "none":
         assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
     if tree:
@@ -243,6 +247,26 @@ def layer_pair(tmp_path_factory):
 def test_layer_draft_sampling_matches_plain_sampling(layer_pair, params):
     gen, model, prompt = layer_pair
     counts = sample_counts(gen, prompt, "draft", 4, params, seed=7)
+    assert goodness_of_fit(counts, exact_law(model, prompt, params)) > P_MIN
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
+def test_guesses_in_two_row_decodes_padding_row_keep_the_law(pair, params, monkeypatch):
+    """Under two-row decode (forced here: runtime/kernel_probe.RowPlan), a prompt-lookup round that proposes
+    nothing guesses in the step's padding row (runtime/proposers.py, spare), a deterministic candidate under
+    the same acceptance rule: the output keeps the target's law, with guesses accepted and rejected."""
+    from specedge.runtime import model as model_module
+    from specedge.runtime.kernel_probe import RowPlan
+
+    gen, model, prompt = pair
+    prompt = prompt[:4]  # START and the target's greedy g1 g2 g3: no suffix of two tokens recurs, one often does
+    monkeypatch.setattr(model_module, "row_plan", lambda *args: RowPlan(min_rows=2))
+    two = Generator.load(gen.bundle_dir)
+    try:
+        assert two.target.spare_rows == 1
+        counts = sample_counts(two, prompt, "ngram", 4, params, seed=11)
+    finally:
+        two.close()
     assert goodness_of_fit(counts, exact_law(model, prompt, params)) > P_MIN
 
 
