@@ -1,0 +1,83 @@
+"""Prompt lookup with and without guesses in two-row decode's padding row (runtime/proposers.py, spare): the same
+bundle in two generators, plain decode and prompt lookup interleaved in one process, each output checked
+against plain decode.
+
+    python benchmarks/padding_guesses.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
+        [--max-new-tokens 128] [--gamma 4] [--threads 2] [--json OUT]
+
+The guesses only happen where the target decodes in two-row steps (kernel_probe.row_plan: int4 in blocks of 32
+on an AVX2-only CPU, with a T=2 step graph); the "without" generator's target is given no spare rows, a
+benchmark's switch, not a runtime option.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+from specedge.runtime.generator import Generator
+from specedge.runtime.model import ModelRunner
+from specedge.tools.bench import load_prompts
+
+
+class _NoSpareRows(ModelRunner):
+    spare_rows = 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle")
+    p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args()
+
+    gens = {"without": Generator.load(a.bundle, threads=a.threads), "with": Generator.load(a.bundle, threads=a.threads)}
+    gens["without"].target.__class__ = _NoSpareRows
+    if not gens["with"].target.spare_rows:
+        print(f"{a.bundle}: its target decodes in one-row steps here ({gens['with'].target.plan}): no padding row "
+              "to guess in, both generators are the same")
+    prompts = load_prompts(a.prompts)[: a.limit]
+    ids = [gens["with"].tokenizer.apply_chat_template(q["messages"]) for q in prompts]
+    configs = [("plain", "none"), (f"ngram g={a.gamma}", "ngram")]
+    keys = [(name, config) for config, _ in configs for name in gens]
+    speeds = {k: [] for k in keys}
+    same = dict.fromkeys(keys, 0)
+    counts = {k: dict.fromkeys(("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted"), 0) for k in keys}
+    for prompt in ids:
+        plain = None
+        for config, proposer in configs:
+            for name, gen in gens.items():
+                started = time.perf_counter()
+                out = gen.generate(prompt, a.max_new_tokens, proposer=proposer, gamma=a.gamma, stop_ids=[])
+                speeds[(name, config)].append(len(out.tokens) / (time.perf_counter() - started))
+                plain = out.tokens if plain is None else plain
+                same[(name, config)] += out.tokens == plain
+                for field in counts[(name, config)]:
+                    counts[(name, config)][field] += getattr(out.stats, field)
+    base = statistics.median(speeds[("without", "plain")])
+    rows = []
+    print("| guesses | configuration | tokens/s (median) | vs plain | identical to plain | rounds | drafts accepted / "
+          "proposed | guesses accepted / made |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key in keys:
+        median, c = statistics.median(speeds[key]), counts[key]
+        rows.append({"guesses": key[0], "config": key[1], "tokens_per_s": median, "identical": same[key], **c})
+        print(f"| {key[0]} | {key[1]} | {median:.1f} | {median / base:.2f}x | {same[key]}/{len(ids)} | {c['rounds']} | "
+              f"{c['accepted']} / {c['proposed']} | {c['spare_accepted']} / {c['spare_proposed']} |")
+    print(f"{platform.processor() or platform.machine()}, threads {a.threads}, {a.max_new_tokens} new tokens, "
+          f"{len(ids)} prompts; target plan {gens['with'].target.plan}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"bundle": a.bundle, "prompts": a.prompts, "rows": rows}, f, indent=1)
+    for gen in gens.values():
+        gen.close()
+
+
+if __name__ == "__main__":
+    main()
