@@ -69,6 +69,8 @@ class Run:
     commit_ms: float = 0.0
     tree_nodes: int = 0
     off_chain_accepted: int = 0
+    spare_proposed: int = 0  # guesses in two-row decode's padding row (Stats), in proposed too
+    spare_accepted: int = 0
 
 
 def load_prompts(path: str) -> list[dict]:
@@ -165,6 +167,7 @@ def summarize(runs: list[Run], configs: list[Config], sampled: bool = False) -> 
                 "draft_ms_per_round": sum(m.draft_ms for m in ms) / rounds if rounds else None,
                 "verify_ms_per_round": sum(m.verify_ms for m in ms) / rounds if rounds else None,
                 "commit_ms_per_round": sum(m.commit_ms for m in ms) / rounds if rounds else None,
+                "guesses": [sum(m.spare_accepted for m in ms), sum(m.spare_proposed for m in ms)],  # accepted, made
                 "identical": None if sampled else sum(m.tokens == reference.get(m.prompt) for m in ms),
             })
     return rows
@@ -191,13 +194,14 @@ def _identical(row: dict) -> str:
 
 def render_round_breakdown(rows: list[dict]) -> str:
     """Where a decode round's time goes: drafting, verifying, committing (host) per configuration."""
-    lines = ["| configuration | draft ms/round | verify ms/round | commit ms/round | host share of decode |",
-             "|---|---|---|---|---|"]
+    lines = ["| configuration | draft ms/round | verify ms/round | commit ms/round | host share of decode "
+             "| padding-row guesses accepted / made |", "|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] != "all" or r["verify_ms_per_round"] is None:
             continue
         lines.append(f"| {r['config']} | {r['draft_ms_per_round']:.2f} | {r['verify_ms_per_round']:.2f} "
-                     f"| {r['commit_ms_per_round']:.2f} | {_fmt(r['host_share'], '.1%')} |")
+                     f"| {r['commit_ms_per_round']:.2f} | {_fmt(r['host_share'], '.1%')} "
+                     f"| {r['guesses'][0]} / {r['guesses'][1]} |")
     return "\n".join(lines)
 
 
@@ -293,7 +297,8 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
                                           top_k=params.top_k, top_p=params.top_p, seed=seed) for t in new]
         return Run(c.name, prompt["id"], prompt["kind"], len(pid), tokens, s.total_ms, s.ttft_ms, s.itl_ms,
                    s.rounds, s.proposed, s.accepted, s.proposed_by_position, s.accepted_by_position, s.host_share,
-                   s.draft_ms, s.verify_ms, s.commit_ms, s.tree_nodes, s.off_chain_accepted)
+                   s.draft_ms, s.verify_ms, s.commit_ms, s.tree_nodes, s.off_chain_accepted, s.spare_proposed,
+                   s.spare_accepted)
 
     for c in configs:  # warm-up: sessions created, first-run allocations done, before anything is timed
         run_once(c, prompts[0], 8)
