@@ -1,13 +1,14 @@
-"""Prompt lookup with and without guesses in two-row decode's padding row (runtime/proposers.py, spare): the same
-bundle in two generators, plain decode and prompt lookup interleaved in one process, each output checked
+"""Prompt lookup with and without guesses in the verify graph's padding rows (runtime/proposers.py, guesses): the
+same bundle in two generators, plain decode and prompt lookup interleaved in one process, each output checked
 against plain decode.
 
     python benchmarks/padding_guesses.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
         [--max-new-tokens 128] [--gamma 4] [--threads 2] [--json OUT]
 
-The guesses only happen where the target decodes in two-row steps (kernel_probe.row_plan: int4 in blocks of 32
-on an AVX2-only CPU, with a T=2 step graph); the "without" generator's target is given no spare rows, a
-benchmark's switch, not a runtime option.
+Padding rows are the rows of the step graph a round runs past its tokens: two-row decode's second row in a round
+that proposes nothing (kernel_probe.row_plan: int4 in blocks of 32 on an AVX2-only CPU), and the rows after a
+chain shorter than gamma, padded into T=gamma+1 (any bundle). The "without" generator's target reports no
+padding rows, a benchmark's switch, not a runtime option.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from specedge.runtime.model import ModelRunner
 from specedge.tools.bench import load_prompts
 
 
-class _NoSpareRows(ModelRunner):
-    spare_rows = 0
+class _NoPaddingRows(ModelRunner):
+    def padding_rows(self, n: int) -> int:
+        return 0
 
 
 def main() -> None:
@@ -38,10 +40,7 @@ def main() -> None:
     a = p.parse_args()
 
     gens = {"without": Generator.load(a.bundle, threads=a.threads), "with": Generator.load(a.bundle, threads=a.threads)}
-    gens["without"].target.__class__ = _NoSpareRows
-    if not gens["with"].target.spare_rows:
-        print(f"{a.bundle}: its target decodes in one-row steps here ({gens['with'].target.plan}): no padding row "
-              "to guess in, both generators are the same")
+    gens["without"].target.__class__ = _NoPaddingRows
     prompts = load_prompts(a.prompts)[: a.limit]
     ids = [gens["with"].tokenizer.apply_chat_template(q["messages"]) for q in prompts]
     configs = [("plain", "none"), (f"ngram g={a.gamma}", "ngram")]

@@ -47,7 +47,7 @@ from .generator import (GenerationResult, check_min_new_tokens, check_request, c
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .output_history import HISTORY_N_MIN, OutputHistory, output_history
-from .proposers import NGRAM_SIZES, Sampler, ngram_chain
+from .proposers import NGRAM_SIZES, Sampler, ngram_chain, ngram_guesses
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState, sampling_settings
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
@@ -317,6 +317,8 @@ class BatchRunner:
                     if draft_probs.get(b) is not None:
                         draft_probs[b] = draft_probs[b][:n]
             feeds[b] = [row.context[-1]] + d
+        proposed = {b: len(d) for b, d in drafts.items()}  # without guesses
+        self._add_guesses(drafts, feeds, lone)
         bases = {b: int(target.cache.length[b]) for b in drafts}
         sessions = target.sessions
         if lone is None:
@@ -342,7 +344,7 @@ class BatchRunner:
             target.cache.set_row_length(b, bases[b] + 1 + accepted)
             if self.own_draft_cache and row.proposer == "draft":
                 self._commit_draft_model_row(b, d, accepted)
-            row.length.update(len(d), accepted)
+            row.length.update(proposed[b], min(accepted, proposed[b]))
             new, reason = cut_round(d[:accepted] + [int(token)], len(row.output), row.max_new_tokens, row.stop,
                                     row.stop_strings)
             if reason:
@@ -355,12 +357,38 @@ class BatchRunner:
                 row.token_logprobs += token_logprobs(raw[:len(new)], new, row.logprobs)
             row.stats.record_round(len(d), len(new) - 1)
             row.stats.record_tokens(len(new))
+            row.stats.spare_proposed += len(d) - proposed[b]
+            row.stats.spare_accepted += max(0, len(new) - 1 - proposed[b])
             committed[b] = new
         # A batch step costs the same for any number of running rows (idle rows are padding). A round that made
         # a session (a lone row's first row step of this width and bucket) would teach the choice its making.
         if target.sessions == sessions:
             self.step_width.update(cost_key(), width, time.perf_counter() - began)
         return committed
+
+    def _add_guesses(self, drafts: dict[int, list[int]], feeds: list[list[int]], lone: int | None) -> None:
+        """Prompt-lookup guesses (proposers.ngram_guesses) in the padding rows of the step about to run, which
+        computes them anyway: a row whose chain is shorter than the widest row's (or who proposed nothing) pads
+        to the step's width T. Prompt-lookup rows only (a draft's tokens cost draft steps). A sampled row fills
+        only the padding it would have at batch 1 (its own chain's step graph, ModelRunner.padding_rows), so that
+        its acceptance draws, and its output, stay those of its batch-1 run with the same seed."""
+        if lone is None:
+            width = self.target.step_graph_for(max(len(f) for f in feeds))
+        else:
+            width = self.target.row_step_width(lone, len(feeds[lone]))
+        for b, d in drafts.items():
+            row = self.rows[b]
+            if row.proposer != "ngram":
+                continue
+            padding = width - len(feeds[b]) if row.params.greedy else self.target.padding_rows(len(feeds[b]))
+            room = min(padding, row.max_new_tokens - len(row.output) - 1 - len(d))
+            guesses = ngram_guesses(np.asarray(row.context + d), room, row.ngram[1]) if room > 0 else []
+            if guesses and len(row.output) < row.min_new_tokens:  # a held-back stop id ends what can be accepted
+                guesses = guesses[:emittable_drafts(d + guesses, len(row.output), row.min_new_tokens, row.stop)
+                                  - len(d)]
+            if guesses:
+                drafts[b] = d + guesses
+                feeds[b] = feeds[b] + guesses
 
     def _draft_rows(self, wanted: dict[int, int], drafts: dict[int, list[int]]) -> dict[int, np.ndarray | None]:
         """wanted[b] drafts for each row b from the layer draft, into drafts[b]; every row starts at the

@@ -33,7 +33,8 @@ from .model import ModelRunner
 from .output_history import OutputHistory, output_history
 from .penalties import PenaltyState, sampling_settings
 from .kv_cache import SharedKVCache
-from .proposers import NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Sampler
+from .proposers import (NGRAM_SIZES, DraftModelProposer, LayerDraftProposer, NgramProposer, NoProposer, Proposal,
+                        Sampler)
 from .sampling import hold_back, is_int, probs_from_logits
 from .stats import Stats
 from .stop_strings import cut_round, output_text, stop_strings_for
@@ -253,13 +254,19 @@ class Generator:
                     proposal = drafter.propose_tree(context, k, tree - 1, sampler)
                 else:
                     proposal = drafter.propose(context, k, sampler)
-                # A round that proposes nothing still computes the step's spare rows (two-row decode's padding
-                # row): a free guess there (prompt lookup's) costs nothing, and DraftLength does not see it.
-                spare = min(target.spare_rows, max_new_tokens - emitted - 1) if not proposal.tokens else 0
-                if spare > 0:
-                    proposal = drafter.spare(context, spare)
+                # The verify step computes its graph's padding rows anyway (two-row decode's second row, a
+                # short chain padded into T=gamma+1): guesses there (prompt lookup's) cost nothing, and
+                # DraftLength does not see them.
                 if emitted < min_new_tokens:  # a held-back stop id ends what can be accepted
                     proposal = proposal.emittable(emitted, min_new_tokens, stop)
+                proposed = len(proposal.tokens)
+                if proposal.parents is None and proposal.draft_probs is None:
+                    room = min(target.padding_rows(1 + proposed), max_new_tokens - emitted - 1 - proposed)
+                    guesses = drafter.guesses(context + proposal.tokens, room) if room > 0 else []
+                    if guesses:
+                        proposal = Proposal(proposal.tokens + guesses, None)
+                        if emitted < min_new_tokens:
+                            proposal = proposal.emittable(emitted, min_new_tokens, stop)
                 t1 = time.perf_counter()
                 base = target.cache.used
                 if proposal.parents is None:  # a chain
@@ -278,7 +285,7 @@ class Generator:
                                                                  proposal.draft_probs, p, sampler.rng)
                     target.cache.set_length(base + 1 + n_accepted)
                     drafter.commit(n_accepted, next_token)
-                    length.update(0 if spare > 0 else len(proposal.tokens), n_accepted)
+                    length.update(proposed, min(n_accepted, proposed))
                     accepted, depth = proposal.tokens[:n_accepted], len(proposal.tokens)
                 else:
                     hold = (emitted, min_new_tokens, stop)
@@ -287,9 +294,8 @@ class Generator:
                         keep_raw=logprobs is not None)
                     t2 = time.perf_counter()
                 new, reason = cut_round(accepted + [int(next_token)], emitted, max_new_tokens, stop, stop_strings)
-                if spare > 0:
-                    stats.spare_proposed += len(proposal.tokens)
-                    stats.spare_accepted += len(new) - 1
+                stats.spare_proposed += len(proposal.tokens) - proposed
+                stats.spare_accepted += max(0, len(new) - 1 - proposed)
                 if tree and k:  # what this kind of round was worth (proposing and verifying)
                     choice.update(as_tree, len(new), time.perf_counter() - t0)
                 context += new

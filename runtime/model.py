@@ -218,11 +218,12 @@ class ModelRunner:
         """The step graphs runs may use (use_steps)."""
         return self._step_sizes
 
-    @property
-    def spare_rows(self) -> int:
-        """Rows past the first that every step of this model computes anyway: under two-row decode a one-token
-        step's padding row. A proposal can fill them at no cost."""
-        return self._min_tokens - 1
+    def padding_rows(self, n: int) -> int:
+        """Rows past n that the step running n tokens computes anyway: its graph's padding (under two-row
+        decode a one-token step's second row; a chain shorter than the verify graph, since a run loads only
+        T=1 and T=gamma+1). A proposal can fill them at no cost."""
+        graph = self.step_graph_for(n)
+        return 0 if graph is None else graph - n
 
     def step_graph_for(self, n: int) -> int | None:
         """The smallest step graph in use that holds n tokens and fits in the free cache slots."""
@@ -434,11 +435,15 @@ class ModelRunner:
         sizes = self.row_step_sizes
         return bool(sizes) and sizes[0] <= self.cache.capacity - int(self.cache.length[row])
 
+    def row_step_width(self, row: int, n: int) -> int | None:
+        """T of the row step graph that runs n tokens of row `row` alone (run_row)."""
+        return _smallest_fit(self.row_step_sizes, n, self.cache.capacity - int(self.cache.length[row]))
+
     def run_row(self, row: int, tokens: list[int]) -> np.ndarray:
         """One step for row `row` alone, through the smallest row step graph that holds the tokens (a batch step
         computes every row, idle ones included): the other rows' caches are untouched. Returns logits [T, V]
         (a view, valid until the next run; rows past len(tokens) are padding)."""
-        T = _smallest_fit(self.row_step_sizes, len(tokens), self.cache.capacity - int(self.cache.length[row]))
+        T = self.row_step_width(row, len(tokens))
         if T is None:
             raise ValueError(f"no row step graph holds {len(tokens)} tokens in row {row}'s free cache slots")
         step = self._run_row_graph(C.STEP, T, row, tokens)

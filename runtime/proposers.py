@@ -111,8 +111,8 @@ class NoProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return EMPTY
 
-    def spare(self, context: list[int], n: int) -> Proposal:
-        return EMPTY  # plain decode stays plain decode: its padding row stays padding
+    def guesses(self, context: list[int], n: int) -> list[int]:
+        return []  # plain decode stays plain decode: its padding row stays padding
 
     def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
         pass
@@ -155,12 +155,11 @@ class NgramProposer:
         chain = ngram_chain(context, k, self.n_min, self.n_max)
         return Proposal(chain or self._from_history(context, k), None)
 
-    def spare(self, context: list[int], n: int) -> Proposal:
-        """Up to n drafts for rows that the step computes anyway (two-row decode's padding row, ModelRunner.
-        spare_rows), for a round that proposes nothing (no match, or a pause after misses): the longest suffix
-        down to one token. A 1-token suffix drafts too often to pay for a longer verify step (NGRAM_SIZES), but
-        here a draft costs nothing, and an accepted one saves a round."""
-        return Proposal(ngram_chain(np.asarray(context), n, 1, self.n_max), None)
+    def guesses(self, context: list[int], n: int) -> list[int]:
+        """Up to n more drafts after `context` (which ends with this round's chain) for rows that the verify
+        step computes anyway (its graph's padding rows, ModelRunner.padding_rows: two-row decode's second row
+        in a round that proposes nothing, or the rows after a chain shorter than the graph)."""
+        return ngram_guesses(np.asarray(context), n, self.n_max)
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1 or nodes < 1:
@@ -214,6 +213,13 @@ def ngram_tree(context: np.ndarray, k: int, nodes: int, n_min: int, n_max: int) 
         tokens.append(cont[d])
         parents.append(d)  # the child of spine node d-1 (of the root when d = 0)
     return tokens, (parents if len(tokens) > len(spine) else None)
+
+
+def ngram_guesses(context: np.ndarray, n: int, n_max: int) -> list[int]:
+    """Drafts for padding rows, which a verify step computes whatever they hold: the chain of the longest
+    suffix down to one token. A 1-token suffix drafts too often to pay for a longer verify step (NGRAM_SIZES),
+    but here a draft costs nothing, and an accepted one saves a round."""
+    return ngram_chain(context, n, 1, n_max)
 
 
 def ngram_chain(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -283,8 +289,8 @@ class DraftModelProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.propose_tree(context, k, k, sampler)
 
-    def spare(self, context: list[int], n: int) -> Proposal:
-        return EMPTY  # a draft's token costs a draft step: never free
+    def guesses(self, context: list[int], n: int) -> list[int]:
+        return []  # a draft's token costs a draft step: never free
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         """A chain of k drafts, plus leaves (the draft's next candidates at the first positions) up to
@@ -337,8 +343,8 @@ class LayerDraftProposer:
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         return self.propose_tree(context, k, k, sampler)
 
-    def spare(self, context: list[int], n: int) -> Proposal:
-        return EMPTY  # a draft's token costs a draft step: never free
+    def guesses(self, context: list[int], n: int) -> list[int]:
+        return []  # a draft's token costs a draft step: never free
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1:

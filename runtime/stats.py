@@ -24,7 +24,7 @@ class Stats:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    spare_proposed: int = 0  # guesses for rows a step computes anyway (two-row decode's padding row); in proposed too
+    spare_proposed: int = 0  # guesses in a verify graph's padding rows (ModelRunner.padding_rows); in proposed too
     spare_accepted: int = 0  # and accepted (in accepted too)
     proposed_by_position: list[int] = field(default_factory=list)  # drafts offered at position j (0-based)
     accepted_by_position: list[int] = field(default_factory=list)  # and accepted there

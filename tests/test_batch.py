@@ -2,6 +2,7 @@
 independently, idle rows change nothing, and bad batches are refused with one clear error."""
 import collections
 
+import numpy as np
 import pytest
 from conftest import CHUNK
 from test_generate import prompt_of
@@ -50,6 +51,19 @@ def test_each_row_equals_its_batch_1_greedy_output(gens, proposer, gamma):
         accepted += res.stats.accepted
     if proposer != "none":
         assert 0 < accepted < proposed  # drafts were proposed, accepted and rejected in the batch
+
+
+def test_greedy_rows_guess_in_the_steps_padding_rows(gens):
+    """A row whose chain is shorter than the step's widest row's (or that proposed nothing) pads to the step's T;
+    greedy prompt-lookup rows put guesses there (BatchRunner._add_guesses): some accepted, some rejected, and
+    every row's output is still its plain batch-1 output."""
+    g1, g3 = gens
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    results = g3.generate_batch(prompts, 48, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == g1.generate(prompt, 48, proposer="none", stop_ids=[]).tokens
+    made, accepted = (sum(getattr(r.stats, f) for r in results) for f in ("spare_proposed", "spare_accepted"))
+    assert made > accepted > 0, (made, accepted)
 
 
 def test_sampled_rows_repeat_their_batch_1_runs(gens):

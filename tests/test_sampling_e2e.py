@@ -123,10 +123,11 @@ def exact_law(model, prompt, params: SamplingParams, penalties: dict | None = No
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **penalties):
+def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, guesses=False, **penalties):
     """Counts of the 16^3 continuations over n seeded runs; asserts that a speculative proposer really ran:
     drafts were proposed, some accepted and some rejected (with trees: tree rounds ran, and some accepted
-    paths ended in a node off the first chain)."""
+    paths ended in a node off the first chain; with `guesses`: guesses in padding rows were made, some
+    accepted and some rejected)."""
     counts = np.zeros(V ** 3)
     proposed = accepted = tree_rounds = off_chain = spare_proposed = spare_accepted = 0
     for i in range(n):
@@ -142,7 +143,7 @@ def sample_counts(gen, prompt, proposer, gamma, params, seed, n=N, tree=0, **pen
         off_chain += out.stats.off_chain_accepted
         spare_proposed += out.stats.spare_proposed
         spare_accepted += out.stats.spare_accepted
-    if gen.target.spare_rows and proposer == "ngram":  # guesses in two-row decode's padding row ran too
+    if guesses:
         assert 0 < spare_accepted < spare_proposed, (spare_accepted, spare_proposed)
     if proposer != "none":
         assert 0 < accepted < proposed, (proposer, gamma, accepted, proposed)
@@ -253,7 +254,7 @@ def test_layer_draft_sampling_matches_plain_sampling(layer_pair, params):
 @pytest.mark.parametrize("params", SETTINGS, ids=["t1.0", "t0.7-topk6-topp0.9"])
 def test_guesses_in_two_row_decodes_padding_row_keep_the_law(pair, params, monkeypatch):
     """Under two-row decode (forced here: runtime/kernel_probe.RowPlan), a prompt-lookup round that proposes
-    nothing guesses in the step's padding row (runtime/proposers.py, spare), a deterministic candidate under
+    nothing guesses in the step's padding row (runtime/proposers.py, guesses), a deterministic candidate under
     the same acceptance rule: the output keeps the target's law, with guesses accepted and rejected."""
     from specedge.runtime import model as model_module
     from specedge.runtime.kernel_probe import RowPlan
@@ -263,8 +264,8 @@ def test_guesses_in_two_row_decodes_padding_row_keep_the_law(pair, params, monke
     monkeypatch.setattr(model_module, "row_plan", lambda *args: RowPlan(min_rows=2))
     two = Generator.load(gen.bundle_dir)
     try:
-        assert two.target.spare_rows == 1
-        counts = sample_counts(two, prompt, "ngram", 4, params, seed=11)
+        assert two.target.padding_rows(1) == 1
+        counts = sample_counts(two, prompt, "ngram", 4, params, seed=11, guesses=True)
     finally:
         two.close()
     assert goodness_of_fit(counts, exact_law(model, prompt, params)) > P_MIN

@@ -57,9 +57,11 @@ def test_two_row_decode_gives_the_plain_plans_tokens(layer_draft_pair, proposer,
     assert got.tokens == want.tokens
     if proposer != "none":
         assert got.stats.proposed > got.stats.accepted > 0
-    # prompt lookup fills the padding row of a round that proposes nothing (runtime/proposers.py, spare); the
-    # one-row plan has no such row, plain decode and a draft model never guess there
-    assert want.stats.spare_proposed == 0
+    # prompt lookup fills the padding row of a round that proposes nothing (runtime/proposers.py, guesses); the
+    # one-row plan has no such row (it guesses only after a chain shorter than gamma, padded into T=gamma+1:
+    # never at gamma 1), plain decode and a draft model never guess
+    if proposer != "ngram" or gamma == 1:
+        assert want.stats.spare_proposed == 0
     assert (got.stats.spare_proposed > 0) == (proposer == "ngram"), got.stats
     assert 1 not in _step_sizes(two.target) and 2 in _step_sizes(two.target), _step_sizes(two.target)
     assert proposer != "draft" or 1 in _step_sizes(two.draft), _step_sizes(two.draft)
@@ -68,14 +70,15 @@ def test_two_row_decode_gives_the_plain_plans_tokens(layer_draft_pair, proposer,
 def test_guesses_in_the_padding_row_are_accepted_and_rejected_and_change_no_token(layer_draft_pair):
     """Rounds where prompt lookup finds nothing (or pauses after misses) put a 1-token-suffix guess in two-row
     decode's padding row: over several prompts some are accepted and some rejected, the output is the one-row
-    plan's token for token, and the guesses cost no round: fewer rounds than the one-row plan's."""
+    plan's token for token, and the guesses cost no round: no more rounds than the one-row plan's (which guesses
+    only after short chains)."""
     plain, two = layer_draft_pair
     spare = [0, 0]
     for seed in range(4):
         prompt = [int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)]  # few tokens, repeated
         want = plain.generate(prompt, 48, proposer="ngram", gamma=4, stop_ids=[])
         got = two.generate(prompt, 48, proposer="ngram", gamma=4, stop_ids=[])
-        assert got.tokens == want.tokens and want.stats.spare_proposed == 0
+        assert got.tokens == want.tokens
         assert got.stats.rounds <= want.stats.rounds
         spare[0] += got.stats.spare_proposed
         spare[1] += got.stats.spare_accepted

@@ -1,0 +1,84 @@
+"""Batched prompt lookup with and without guesses in the batch step's padding rows (runtime/batch.py,
+BatchRunner._add_guesses): a row whose chain is shorter than the step's widest row's, or that proposed nothing,
+pads to the step's T, and a greedy prompt-lookup row now puts guesses there. The same --batch B bundle in two
+generators, plain decode and prompt lookup interleaved in one process, every row checked against plain decode.
+
+    python benchmarks/batch_guesses.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
+        [--max-new-tokens 128] [--gamma 4] [--repeats 2] [--threads 2] [--json OUT]
+
+All prompts go through the B rows as a queue (continuous batching: the next prompt takes the first row freed),
+EOS held back so every row runs max_new_tokens. The "without" generator's rows make no guesses, a benchmark's
+switch, not a runtime option.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from specedge.runtime.batch import BatchGenerator
+from specedge.tools.bench import load_prompts
+
+FIELDS = ("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("bundle")
+    p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args()
+
+    gens = {"without": BatchGenerator.load(a.bundle, threads=a.threads),
+            "with": BatchGenerator.load(a.bundle, threads=a.threads)}
+    gens["without"].runner._add_guesses = lambda drafts, feeds, lone: None
+    ids = [gens["with"].tokenizer.apply_chat_template(q["messages"]) for q in load_prompts(a.prompts)[: a.limit]]
+    configs = [("plain", "none"), (f"ngram g={a.gamma}", "ngram")]
+    keys = [(name, config) for config, _ in configs for name in gens]
+    for gen in gens.values():  # sessions are made on first use: one untimed run each
+        for _, proposer in configs:
+            gen.generate_batch(ids[: gen.batch], 4, proposer=proposer, gamma=a.gamma, min_new_tokens=4)
+    seconds = {k: [] for k in keys}
+    same = dict.fromkeys(keys, True)
+    counts = {k: dict.fromkeys(FIELDS, 0) for k in keys}
+    plain = None
+    for _ in range(a.repeats):  # repeat -> configuration: drift on a shared machine hits every one alike
+        for config, proposer in configs:
+            for name, gen in gens.items():
+                began = time.perf_counter()
+                results = gen.generate_batch(ids, a.max_new_tokens, proposer=proposer, gamma=a.gamma,
+                                             min_new_tokens=a.max_new_tokens)
+                seconds[(name, config)].append(time.perf_counter() - began)
+                tokens = [r.tokens for r in results]
+                plain = tokens if plain is None else plain
+                same[(name, config)] &= tokens == plain
+                for field in FIELDS:
+                    counts[(name, config)][field] = sum(getattr(r.stats, field) for r in results)
+    total = len(ids) * a.max_new_tokens
+    base = total / min(seconds[("without", "plain")])
+    rows = []
+    print(f"| guesses | configuration | tokens/s (best of {a.repeats}) | vs plain | identical to plain | rounds | "
+          "drafts accepted / proposed | guesses accepted / made |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key in keys:
+        speed, c = total / min(seconds[key]), counts[key]
+        rows.append({"guesses": key[0], "config": key[1], "tokens_per_s": speed, "identical": same[key], **c})
+        print(f"| {key[0]} | {key[1]} | {speed:.1f} | {speed / base:.2f}x | {same[key]} | {c['rounds']} | "
+              f"{c['accepted']} / {c['proposed']} | {c['spare_accepted']} / {c['spare_proposed']} |")
+    print(f"{platform.processor() or platform.machine()}, threads {a.threads}, batch {gens['with'].batch}, "
+          f"{a.max_new_tokens} new tokens, {len(ids)} prompts; target plan {gens['with'].target.plan}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"bundle": a.bundle, "prompts": a.prompts, "rows": rows}, f, indent=1)
+    for gen in gens.values():
+        gen.close()
+
+
+if __name__ == "__main__":
+    main()
