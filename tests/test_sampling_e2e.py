@@ -264,7 +264,7 @@ def test_guesses_in_two_row_decodes_padding_row_keep_the_law(pair, params, monke
     monkeypatch.setattr(model_module, "row_plan", lambda *args: RowPlan(min_rows=2))
     two = Generator.load(gen.bundle_dir)
     try:
-        assert two.target.padding_rows(1) == 1
+        assert two.target.padding_rows(1) >= 1  # a one-token step runs padded
         counts = sample_counts(two, prompt, "ngram", 4, params, seed=11, guesses=True)
     finally:
         two.close()
