@@ -197,6 +197,11 @@ class Manifest:
     def draft(self) -> ModelEntry | None:
         return self.models.get("draft")
 
+    def draft_of(self, model: ModelEntry) -> ModelEntry | None:
+        """The target, when `model` is this bundle's draft; else None. A draft's rows only propose (the target's
+        verify step judges them), so it is planned, checked and described apart (runtime/kernel_probe.row_plan)."""
+        return None if model is self.target else self.target
+
     def logits_scale(self, model: str) -> float | None:
         """The quantization step of a model's logits, when its graphs return logits on a uint16 grid (the
         qnn-qdq16 flavour: export.qnn.logits_scale); a runtime snaps them onto it (docs/bundle.md)."""

@@ -105,7 +105,7 @@ def _run_export(a) -> int:
             print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
                   f"{src['requantized']} requantized{error}")
-            if name == "target":  # a draft's rows only propose (runtime/kernel_probe.row_plan)
+            if m.draft_of(model) is None:  # a draft's rows only propose (runtime/kernel_probe.row_plan)
                 _note_machine_rows(name, model)
     return 0
 

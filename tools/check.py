@@ -253,7 +253,8 @@ def _check_loads(bundle: str, model: ModelEntry, graph: GraphEntry, label: str, 
 
 
 def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backend_name: str = "cpu",
-                logits_scale: float | None = None, plan: kernel_probe.RowPlan = kernel_probe.RowPlan()) -> None:
+                logits_scale: float | None = None, plan: kernel_probe.RowPlan = kernel_probe.RowPlan(),
+                draft: bool = False) -> None:
     from ..runtime.backends import create_backend
     from .exact_rows import check_model_rows
 
@@ -276,7 +277,7 @@ def _check_rows(bundle: str, name: str, model: ModelEntry, report: Report, backe
         report.add(True, f"{label}: {len({r.graph.file for r in results})} graphs compute each row bit for bit as "
                    f"decode does" + (f", {trees} of them also a token tree's rows" if trees else "")
                    + f" ({time.perf_counter() - started:.1f} s)")
-    elif name != "target":  # kernel_probe.row_plan: a draft's rows only propose, the target's verify judges them
+    elif draft:  # Manifest.draft_of: a draft's rows only propose, the target's verify judges them
         report.add(True, f"{name}: rows differ from decode's in {len(inexact)} of {len(results)} comparisons on this "
                    f"machine (the first: {inexact[0].graph.file} by {inexact[0].max_diff:.3g}); a draft only "
                    "proposes, so speculation stays exact (at a near tie it may propose another token)")
@@ -352,7 +353,7 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
             continue
         skipped = _rows_skipped(backend, kind, exact_rows)
         # how the runtime loads and runs the model here (the probe runs a product: not for --no-load)
-        draft_of = manifest.target if model is not manifest.target else None
+        draft_of = manifest.draft_of(model)
         plan = kernel_probe.row_plan(model, backend, draft_of) if load else kernel_probe.RowPlan()
         for graph in model.graphs:
             _check_graph(bundle, name, model, graph, index, manifest.opset, report, load, backend,
@@ -363,7 +364,8 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
             if skipped:
                 report.add(True, f"{name}: exact rows {skipped}")
             else:
-                _check_rows(bundle, name, model, report, backend, manifest.logits_scale(name), plan)
+                _check_rows(bundle, name, model, report, backend, manifest.logits_scale(name), plan,
+                            draft=draft_of is not None)
     for f in manifest.tokenizer.files:
         report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
     return report
