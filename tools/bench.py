@@ -69,7 +69,7 @@ class Run:
     commit_ms: float = 0.0
     tree_nodes: int = 0
     off_chain_accepted: int = 0
-    spare_proposed: int = 0  # guesses in two-row decode's padding row (Stats), in proposed too
+    spare_proposed: int = 0  # guesses in verify steps' padding rows (Stats), in proposed too
     spare_accepted: int = 0
 
 
