@@ -13,9 +13,9 @@ switch, not a runtime option.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
+
+from padding_guesses import report
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.tools.bench import load_prompts
@@ -61,21 +61,9 @@ def main() -> None:
                 for field in FIELDS:
                     counts[(name, config)][field] = sum(getattr(r.stats, field) for r in results)
     total = len(ids) * a.max_new_tokens
-    base = total / min(seconds[("without", "plain")])
-    rows = []
-    print(f"| guesses | configuration | tokens/s (best of {a.repeats}) | vs plain | identical to plain | rounds | "
-          "drafts accepted / proposed | guesses accepted / made |")
-    print("|---|---|---|---|---|---|---|---|")
-    for key in keys:
-        speed, c = total / min(seconds[key]), counts[key]
-        rows.append({"guesses": key[0], "config": key[1], "tokens_per_s": speed, "identical": same[key], **c})
-        print(f"| {key[0]} | {key[1]} | {speed:.1f} | {speed / base:.2f}x | {same[key]} | {c['rounds']} | "
-              f"{c['accepted']} / {c['proposed']} | {c['spare_accepted']} / {c['spare_proposed']} |")
-    print(f"{platform.processor() or platform.machine()}, threads {a.threads}, batch {gens['with'].batch}, "
-          f"{a.max_new_tokens} new tokens, {len(ids)} prompts; target plan {gens['with'].target.plan}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"bundle": a.bundle, "prompts": a.prompts, "rows": rows}, f, indent=1)
+    report(a, keys, {k: total / min(v) for k, v in seconds.items()}, f"best of {a.repeats}", same, counts,
+           f"batch {gens['with'].batch}, {a.max_new_tokens} new tokens, {len(ids)} prompts; target plan "
+           f"{gens['with'].target.plan}")
     for gen in gens.values():
         gen.close()
 

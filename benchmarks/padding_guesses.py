@@ -59,23 +59,30 @@ def main() -> None:
                 same[(name, config)] += out.tokens == plain
                 for field in counts[(name, config)]:
                     counts[(name, config)][field] += getattr(out.stats, field)
-    base = statistics.median(speeds[("without", "plain")])
+    report(a, keys, {k: statistics.median(v) for k, v in speeds.items()}, "median",
+           {k: f"{n}/{len(ids)}" for k, n in same.items()}, counts,
+           f"{a.max_new_tokens} new tokens, {len(ids)} prompts; target plan {gens['with'].target.plan}")
+    for gen in gens.values():
+        gen.close()
+
+
+def report(a, keys, speeds: dict, how: str, identical: dict, counts: dict, setup: str) -> None:
+    """The table (ratios against the "without" generator's plain decode) and the JSON of a with/without run
+    (also batch_guesses.py's)."""
+    base = speeds[keys[0]]
     rows = []
-    print("| guesses | configuration | tokens/s (median) | vs plain | identical to plain | rounds | drafts accepted / "
+    print(f"| guesses | configuration | tokens/s ({how}) | vs plain | identical to plain | rounds | drafts accepted / "
           "proposed | guesses accepted / made |")
     print("|---|---|---|---|---|---|---|---|")
     for key in keys:
-        median, c = statistics.median(speeds[key]), counts[key]
-        rows.append({"guesses": key[0], "config": key[1], "tokens_per_s": median, "identical": same[key], **c})
-        print(f"| {key[0]} | {key[1]} | {median:.1f} | {median / base:.2f}x | {same[key]}/{len(ids)} | {c['rounds']} | "
+        speed, c = speeds[key], counts[key]
+        rows.append({"guesses": key[0], "config": key[1], "tokens_per_s": speed, "identical": identical[key], **c})
+        print(f"| {key[0]} | {key[1]} | {speed:.1f} | {speed / base:.2f}x | {identical[key]} | {c['rounds']} | "
               f"{c['accepted']} / {c['proposed']} | {c['spare_accepted']} / {c['spare_proposed']} |")
-    print(f"{platform.processor() or platform.machine()}, threads {a.threads}, {a.max_new_tokens} new tokens, "
-          f"{len(ids)} prompts; target plan {gens['with'].target.plan}")
+    print(f"{platform.processor() or platform.machine()}, threads {a.threads}, {setup}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"bundle": a.bundle, "prompts": a.prompts, "rows": rows}, f, indent=1)
-    for gen in gens.values():
-        gen.close()
 
 
 if __name__ == "__main__":
