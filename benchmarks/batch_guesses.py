@@ -12,10 +12,9 @@ switch, not a runtime option.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
-from padding_guesses import report
+from padding_guesses import guesses_parser, report
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.tools.bench import load_prompts
@@ -24,15 +23,8 @@ FIELDS = ("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bundle")
-    p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
-    p.add_argument("--limit", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=4)
+    p = guesses_parser(__doc__)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", metavar="OUT")
     a = p.parse_args()
 
     gens = {"without": BatchGenerator.load(a.bundle, threads=a.threads),

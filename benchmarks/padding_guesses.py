@@ -28,8 +28,9 @@ class _NoPaddingRows(ModelRunner):
         return 0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def guesses_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the with/without-guesses scripts (also batch_guesses.py)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("bundle")
     p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
     p.add_argument("--limit", type=int, default=16)
@@ -37,7 +38,11 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="OUT")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = guesses_parser(__doc__).parse_args()
 
     gens = {"without": Generator.load(a.bundle, threads=a.threads), "with": Generator.load(a.bundle, threads=a.threads)}
     gens["without"].target.__class__ = _NoPaddingRows
