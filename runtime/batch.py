@@ -370,8 +370,9 @@ class BatchRunner:
         """Prompt-lookup guesses (proposers.ngram_guesses) in the padding rows of the step about to run, which
         computes them anyway: a row whose chain is shorter than the widest row's (or who proposed nothing) pads
         to the step's width T. Prompt-lookup rows only (a draft's tokens cost draft steps). A sampled row fills
-        only the padding it would have at batch 1 (its own chain's step graph, ModelRunner.padding_rows), so that
-        its acceptance draws, and its output, stay those of its batch-1 run with the same seed."""
+        only the padding it would have at batch 1 (its chain in the step graphs a batch-1 run of its gamma uses,
+        T=1 and T=gamma+1, where the batch loads every T up to the widest), so that its acceptance draws, and
+        its output, stay those of its batch-1 run with the same seed."""
         if lone is None:
             width = self.target.step_graph_for(max(len(f) for f in feeds))
         else:
@@ -380,7 +381,10 @@ class BatchRunner:
             row = self.rows[b]
             if row.proposer != "ngram":
                 continue
-            padding = width - len(feeds[b]) if row.params.greedy else self.target.padding_rows(len(feeds[b]))
+            if row.params.greedy:
+                padding = width - len(feeds[b])
+            else:
+                padding = self.target.padding_rows(len(feeds[b]), self.target.steps_for([1, row.gamma + 1]))
             room = min(padding, row.max_new_tokens - len(row.output) - 1 - len(d))
             guesses = ngram_guesses(np.asarray(row.context + d), room, row.ngram[1]) if room > 0 else []
             if guesses and len(row.output) < row.min_new_tokens:  # a held-back stop id ends what can be accepted

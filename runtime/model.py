@@ -210,19 +210,24 @@ class ModelRunner:
         """Restrict runs to these step graphs (None: all). Every session holds a few MB of its own, so a
         run loads the few it needs (T=1 and T=gamma+1) and pads shorter steps into them. Under two-row decode
         (RowPlan.min_rows) T=1 stands for T=2."""
-        self._step_sizes = _restrict(self._usable(self.entry.step_tokens()), self._widen(sizes))
+        self._step_sizes = self.steps_for(sizes)
         return self._step_sizes
+
+    def steps_for(self, sizes: list[int] | None) -> list[int]:
+        """The step graphs `use_steps(sizes)` would restrict runs to."""
+        return _restrict(self._usable(self.entry.step_tokens()), self._widen(sizes))
 
     @property
     def step_sizes(self) -> list[int]:
         """The step graphs runs may use (use_steps)."""
         return self._step_sizes
 
-    def padding_rows(self, n: int) -> int:
+    def padding_rows(self, n: int, sizes: list[int] | None = None) -> int:
         """Rows past n that the step running n tokens computes anyway: its graph's padding (under two-row
         decode a one-token step's second row; a chain shorter than the verify graph, since a run loads only
-        T=1 and T=gamma+1). A proposal can fill them at no cost."""
-        graph = self.step_graph_for(n)
+        T=1 and T=gamma+1). A proposal can fill them at no cost. `sizes`: the step graphs to choose from
+        (default: those in use)."""
+        graph = _smallest_fit(self._step_sizes if sizes is None else sizes, n, self.cache.free)
         return 0 if graph is None else graph - n
 
     def step_graph_for(self, n: int) -> int | None:

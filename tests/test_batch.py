@@ -66,6 +66,28 @@ def test_greedy_rows_guess_in_the_steps_padding_rows(gens):
     assert made > accepted > 0, (made, accepted)
 
 
+def test_sampled_rows_guess_only_where_batch_1_would(gens, monkeypatch):
+    """A sampled row fills only the padding its batch-1 run has (T=1 and T=gamma+1; the batch loads every T up to
+    the widest), so its draws, guesses and output stay batch 1's with the same seed. Chains are cut to one token
+    here (prompt lookup's rarely end short on their own), so that padding rows follow them."""
+    from specedge.runtime import batch as batch_module
+    from specedge.runtime.proposers import NgramProposer
+    real_chain, real_propose = batch_module.ngram_chain, NgramProposer.propose
+    monkeypatch.setattr(batch_module, "ngram_chain", lambda *args: real_chain(*args)[:1])
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, *args: real_propose(self, *args).cut(1))
+    g1, g3 = gens
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    sampling = dict(temperature=0.5, top_k=3, stop_ids=[], adaptive=False)
+    results = g3.generate_batch(prompts, 48, proposer="ngram", gamma=4, seed=11, **sampling)
+    made = accepted = 0
+    for b, (prompt, res) in enumerate(zip(prompts, results)):
+        alone = g1.generate(prompt, 48, proposer="ngram", gamma=4, seed=11 + b, **sampling)
+        assert (res.tokens, res.stats.spare_proposed) == (alone.tokens, alone.stats.spare_proposed)
+        made += res.stats.spare_proposed
+        accepted += res.stats.spare_accepted
+    assert made > accepted > 0, (made, accepted)
+
+
 def test_sampled_rows_repeat_their_batch_1_runs(gens):
     """Prompt i draws from its own generator seeded seed + i (here prompt b runs in row b)."""
     g1, g3 = gens
