@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import time
 
-from padding_guesses import guesses_parser, report
+from padding_guesses import FIELDS, guesses_parser, report
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.tools.bench import load_prompts
-
-FIELDS = ("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted")
 
 
 def main() -> None:

@@ -23,8 +23,12 @@ from specedge.runtime.model import ModelRunner
 from specedge.tools.bench import load_prompts
 
 
+# Stats fields a with/without run adds up (also batch_guesses.py's)
+FIELDS = ("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted")
+
+
 class _NoPaddingRows(ModelRunner):
-    def padding_rows(self, n: int) -> int:
+    def padding_rows(self, n: int, sizes: list[int] | None = None) -> int:
         return 0
 
 
@@ -52,7 +56,7 @@ def main() -> None:
     keys = [(name, config) for config, _ in configs for name in gens]
     speeds = {k: [] for k in keys}
     same = dict.fromkeys(keys, 0)
-    counts = {k: dict.fromkeys(("rounds", "proposed", "accepted", "spare_proposed", "spare_accepted"), 0) for k in keys}
+    counts = {k: dict.fromkeys(FIELDS, 0) for k in keys}
     for prompt in ids:
         plain = None
         for config, proposer in configs:
