@@ -134,15 +134,22 @@ class StepWidth:
     are expected to add pays for the wider step. A row with L drafts and acceptance a commits, in a step of
     width T, 1 + a + a^2 + ... + a^min(L, T-1) tokens on average. The seconds of a round are measured per
     (context bucket, T): they depend on those only, not on the text, so the choice needs no exploration of
-    rounds that cannot pay (an unmeasured width is tried where it could: see `seconds`). The median of the
+    rounds that cannot pay (a width not yet trusted is tried where it could: see `seconds`). The median of the
     last few rounds resists a slow outlier. `bucket` may be any hashable key: a lone row's rounds, which run
     in row step graphs and cost less, are measured under (bucket, "row").
+    On a shared machine one round can take twice its usual time. A width judged on that one round looked too
+    dear to be tried again, and how much a batch drafted then varied tenfold between runs of the same prompts
+    (benchmarks/batch/README.md): so a width is trusted only after `trust` rounds, an estimate is never above a
+    wider width's, and the rounds of a width not run for `stale` rounds of its bucket are forgotten (the load
+    changes) and it is measured again.
     The choice only changes speed: every round is exact whichever width it uses."""
 
-    def __init__(self, widths, samples: int = 5):
+    def __init__(self, widths, samples: int = 5, trust: int = 3, stale: int = 256):
         self.widths = sorted(widths)
-        self.samples = samples
+        self.samples, self.trust, self.stale = samples, trust, stale
         self._seconds: dict[tuple[int, int], list[float]] = {}  # (bucket, T) -> the last rounds' seconds
+        self._rounds: dict[object, int] = {}  # bucket -> rounds measured in it
+        self._last: dict[tuple[int, int], int] = {}  # (bucket, T) -> the bucket's round that last ran it
 
     @staticmethod
     def expected_tokens(drafts: int, acceptance: float) -> float:
@@ -150,14 +157,17 @@ class StepWidth:
         return 1.0 + sum(acceptance ** j for j in range(1, drafts + 1))
 
     def seconds(self, bucket: int, width: int) -> float:
-        """The measured seconds of a round at this bucket and width. Unmeasured: what the widest narrower
-        width measured costs (a wider step never costs less), so the width is tried where its drafts could
-        pay; 0 when no narrower width is measured either, so that the narrowest is measured first."""
-        measured = self._seconds.get((bucket, width))
-        if measured:
-            return float(np.median(measured))
-        narrower = [t for (b, t) in self._seconds if b == bucket and t < width]
-        return self.seconds(bucket, max(narrower)) if narrower else 0.0
+        """The seconds of a round at this bucket and width: the median of its last rounds, and no more than a
+        wider trusted width's (a wider step never costs less). Not yet trusted (fewer than `trust` rounds): what
+        the widest narrower width costs, so the width is tried where its drafts could pay; 0 when no narrower
+        width is measured either, so that the narrowest is measured first."""
+        measured = self._seconds.get((bucket, width), [])
+        if len(measured) < self.trust:
+            narrower = [t for (b, t) in self._seconds if b == bucket and t < width]
+            return self.seconds(bucket, max(narrower)) if narrower else 0.0
+        wider = [float(np.median(runs)) for (b, t), runs in self._seconds.items()
+                 if b == bucket and t > width and len(runs) >= self.trust]
+        return min([float(np.median(measured))] + wider)
 
     def choose(self, rows: list[tuple[int, float, int]], bucket: int, least: int = 1, most: int | None = None,
                closed: bool = False, widths: list[int] | None = None) -> int:
@@ -188,9 +198,13 @@ class StepWidth:
         return best
 
     def update(self, bucket: int, width: int, seconds: float) -> None:
+        now = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
+        for key in [k for k in self._seconds if k[0] == bucket and now - self._last[k] > self.stale]:
+            del self._seconds[key], self._last[key]
         runs = self._seconds.setdefault((bucket, width), [])
         runs.append(seconds)
         del runs[: -self.samples]
+        self._last[(bucket, width)] = now
 
 
 class TreeChoice(RateChoice):

@@ -128,13 +128,31 @@ def test_step_width_picks_the_width_whose_expected_tokens_per_second_is_highest(
     assert width.choose([(1, 0.9, 100)] * 4, 256) == 2  # no wider than the longest proposal + 1
     assert width.choose([(4, 0.2, 100)] * 4, 256, least=3) == 3  # a row with a fixed length needs T=3
     assert width.choose([(4, 0.9, 100)] * 4, 256, most=3) == 3  # what fits the cache
-    # a bucket where nothing was timed: the plain step first, then a wider step is guessed as cheap as the
-    # widest narrower one timed, so it is tried where it could pay
-    assert width.choose([(4, 0.7, 100)] * 4, 384) == 1
-    width.update(384, 1, 0.040)
-    assert width.choose([(4, 0.7, 100)] * 4, 384) == 5
+    # a bucket where nothing was timed: the plain step until it is trusted (3 rounds), then a wider step is
+    # guessed as cheap as the widest narrower one trusted, so it is tried where it could pay
+    good = [(4, 0.7, 100)] * 4
+    for _ in range(3):
+        assert width.choose(good, 384) == 1
+        width.update(384, 1, 0.040)
+    assert width.choose(good, 384) == 5
+    # one slow first round (a shared machine) does not rule a width out: it is timed until trusted
+    width.update(384, 5, 0.500)
+    assert width.seconds(384, 5) == 0.040 and width.choose(good, 384) == 5
     width.update(384, 5, 0.100)
-    assert width.seconds(384, 3) == 0.040 and width.choose([(4, 0.7, 100)] * 4, 384) == 3
+    width.update(384, 5, 0.100)
+    assert width.seconds(384, 5) == 0.100 and width.seconds(384, 3) == 0.040 and width.choose(good, 384) == 3
+    for _ in range(3):
+        width.update(384, 3, 0.120)  # dearer than the wider T=5 measured: noise, capped at T=5's cost
+    assert width.seconds(384, 3) == 0.100
+    # a width not run for `stale` rounds of its bucket is forgotten and timed again (the load changes)
+    aging = StepWidth([1, 5], stale=10)
+    for _ in range(3):
+        aging.update(128, 5, 0.500)
+    for _ in range(10):
+        aging.update(128, 1, 0.040)
+    assert aging.choose(good, 128) == 1 and aging.seconds(128, 5) == 0.500
+    aging.update(128, 1, 0.040)
+    assert aging.seconds(128, 5) == 0.040 and aging.choose(good, 128) == 5
     # closed: three rows almost done and one slow row with most of its tokens left. Tokens per second favour
     # T=5 (the three rows' drafts hold); the slow row finishes soonest at T=1, and it decides when all do.
     rows = [(4, 0.9, 20)] * 3 + [(4, 0.1, 100)]
