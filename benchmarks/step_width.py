@@ -12,12 +12,12 @@ has. All prompts go through the B rows as a queue, EOS held back.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
 
 import numpy as np
+from padding_guesses import guesses_parser
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.runtime.draft_length import StepWidth
@@ -27,16 +27,9 @@ RULES = {"plain": None, "first round": {"trust": 1, "stale": 10 ** 9}, "trusted 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bundle")
-    p.add_argument("--prompts", default="tools/prompts/short_edits.jsonl")
-    p.add_argument("--limit", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=int, default=4)
+    p = guesses_parser(__doc__)  # a batch bundle, prompts, tokens, gamma, threads, --json
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fresh", action="store_true", help="a new StepWidth for every timed run")
-    p.add_argument("--json", metavar="OUT")
     a = p.parse_args()
 
     gen = BatchGenerator.load(a.bundle, threads=a.threads)
