@@ -290,7 +290,9 @@ class DraftModelProposer:
         return self.propose_tree(context, k, k, sampler)
 
     def guesses(self, context: list[int], n: int) -> list[int]:
-        return []  # a draft's token costs a draft step: never free
+        # Prompt lookup's would be free in the verify step, but an accepted one is a token this model's own
+        # cache never ran: the next round would first feed it several tokens (a prefill graph) to catch up.
+        return []
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         """A chain of k drafts, plus leaves (the draft's next candidates at the first positions) up to
@@ -344,7 +346,10 @@ class LayerDraftProposer:
         return self.propose_tree(context, k, k, sampler)
 
     def guesses(self, context: list[int], n: int) -> list[int]:
-        return []  # a draft's token costs a draft step: never free
+        """Prompt lookup's guesses (ngram_guesses) for the verify step's padding rows: after a miss the draft's
+        k shrinks (DraftLength) and its chain runs padded into T=gamma+1. They cost no draft step, and the
+        draft reads the target's cache, which the verify step fills for every accepted token: no catch-up."""
+        return ngram_guesses(np.asarray(context), n, NGRAM_SIZES[1])
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         if k < 1:

@@ -331,6 +331,22 @@ def test_layer_draft_rows_equal_their_batch_1_output(draft_gens, gamma):
     assert draft_runs < proposed  # one draft step serves every drafting row at a position
 
 
+def test_greedy_layer_draft_rows_guess_in_the_steps_padding_rows(draft_gens, monkeypatch):
+    """A greedy layer-draft row whose chain is shorter than the step (its k shrank after a miss, or it is
+    shorter than another row's) takes prompt lookup's guesses in the padding, as at batch 1: some accepted, some
+    rejected, every row its plain batch-1 output. (The tiny draft is rarely worth a wider step to StepWidth:
+    the step width here is the widest that fits, so that shrunk chains run padded.)"""
+    g1, g3 = draft_gens
+    monkeypatch.setattr(g3.runner.step_width, "choose", lambda rows, bucket, least, most, closed, widths=None: most)
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    results = g3.generate_batch(prompts, 48, proposer="draft", gamma=4, stop_ids=[])
+    for prompt, res in zip(prompts, results):
+        assert res.tokens == g1.generate(prompt, 48, proposer="none", stop_ids=[]).tokens
+    made, accepted, drafts = (sum(getattr(r.stats, f) for r in results)
+                              for f in ("spare_proposed", "spare_accepted", "proposed"))
+    assert made > accepted > 0 and drafts > made, (made, accepted, drafts)
+
+
 def test_layer_draft_sampled_rows_repeat_their_batch_1_runs(draft_gens):
     """Row b draws its drafts and acceptances from its own generator (prompt i: seed + i), in batch 1's order."""
     g1, g3 = draft_gens
@@ -396,6 +412,13 @@ def test_draft_model_rows_equal_their_batch_1_output(pair_gens, gamma):
         assert (res.stats.proposed, res.stats.accepted) == (alone.stats.proposed, alone.stats.accepted)
         proposed, accepted = proposed + res.stats.proposed, accepted + res.stats.accepted
     assert 0 < accepted < proposed
+    # An own-cache draft model makes no guesses after a shrunk chain (its cache would have to catch up on
+    # them: proposers.DraftModelProposer.guesses), at batch 1 or in a batch; its output stays plain decode's.
+    adaptive = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=4, stop_ids=[])
+    for prompt, res in zip(PROMPTS, adaptive):
+        alone = g1.generate(prompt, NEW, proposer="draft", gamma=4, stop_ids=[])
+        assert res.tokens == alone.tokens and res.stats.spare_proposed == alone.stats.spare_proposed == 0
+    assert sum(r.stats.proposed - r.stats.accepted for r in adaptive) > 0  # misses: k shrank, chains padded
     sampled = g3.generate_batch(PROMPTS, NEW, proposer="draft", gamma=gamma, temperature=0.8, seed=3, stop_ids=[])
     for b, (prompt, res) in enumerate(zip(PROMPTS, sampled)):
         assert res.tokens == g1.generate(prompt, NEW, proposer="draft", gamma=gamma, temperature=0.8, seed=3 + b,

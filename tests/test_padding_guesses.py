@@ -10,6 +10,8 @@ so the tests cut its chains to one token: the rows after it are then padding.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 from conftest import CHUNK
@@ -71,11 +73,24 @@ def test_guesses_stop_at_max_new_tokens(gen, max_new_tokens, short_chains):
         assert got.tokens == plain.tokens[:max_new_tokens]
 
 
-def test_a_draft_model_never_guesses(gen):
-    """A draft's tokens cost a draft step each: its short chains stay padded (and its output plain decode's).
-    Here the tiny layer draft's misses shrink its k to 1, padded into T=5."""
-    prompt = _repetitive_prompt(0)
-    plain = gen.generate(prompt, 32, proposer="none", stop_ids=[])
-    got = gen.generate(prompt, 32, proposer="draft", gamma=4, stop_ids=[])
-    assert got.tokens == plain.tokens and got.stats.proposed > 0
-    assert got.stats.spare_proposed == 0
+def test_a_layer_draft_guesses_after_its_chain_shrinks(gen, monkeypatch):
+    """After a miss a draft's k shrinks (DraftLength) and its chain runs padded into T=gamma+1: the tiny layer
+    draft's misses shrink it to 1 here. Prompt lookup's guesses fill those rows (a layer draft reads the target's
+    cache, so an accepted guess needs no catch-up): output equals plain decode with and without them, drafts and
+    guesses were made, accepted and rejected, and the guesses saved rounds. (A draft model with its own cache
+    makes none: test_batch.py, test_draft_model_rows_equal_their_batch_1_output.)"""
+    totals = collections.Counter()
+    for seed in range(4):
+        prompt = _repetitive_prompt(seed)
+        plain = gen.generate(prompt, 48, proposer="none", stop_ids=[])
+        got = gen.generate(prompt, 48, proposer="draft", gamma=4, stop_ids=[])
+        with monkeypatch.context() as patch:
+            patch.setattr(gen.target, "padding_rows", lambda n: 0)
+            without = gen.generate(prompt, 48, proposer="draft", gamma=4, stop_ids=[])
+        assert got.tokens == plain.tokens == without.tokens and without.stats.spare_proposed == 0
+        totals.update(proposed=got.stats.proposed - got.stats.spare_proposed,
+                      accepted=got.stats.accepted - got.stats.spare_accepted, made=got.stats.spare_proposed,
+                      guessed=got.stats.spare_accepted, rounds=got.stats.rounds,
+                      rounds_without=without.stats.rounds)
+    assert totals["proposed"] > totals["accepted"] > 0 and totals["made"] > totals["guessed"] > 0, totals
+    assert totals["rounds"] < totals["rounds_without"], totals
