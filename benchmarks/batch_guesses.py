@@ -4,7 +4,7 @@ pads to the step's T, and a greedy prompt-lookup row now puts guesses there. The
 generators, plain decode and prompt lookup interleaved in one process, every row checked against plain decode.
 
     python benchmarks/batch_guesses.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
-        [--max-new-tokens 128] [--gamma 4] [--repeats 2] [--threads 2] [--json OUT]
+        [--max-new-tokens 128] [--gamma 4] [--proposers ngram,draft] [--repeats 2] [--threads 2] [--json OUT]
 
 All prompts go through the B rows as a queue (continuous batching: the next prompt takes the first row freed),
 EOS held back so every row runs max_new_tokens. The "without" generator's rows make no guesses, a benchmark's
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from padding_guesses import FIELDS, guesses_parser, report
+from padding_guesses import FIELDS, guess_configs, guesses_parser, report
 
 from specedge.runtime.batch import BatchGenerator
 from specedge.tools.bench import load_prompts
@@ -29,7 +29,7 @@ def main() -> None:
             "with": BatchGenerator.load(a.bundle, threads=a.threads)}
     gens["without"].runner._add_guesses = lambda drafts, feeds, lone: None
     ids = [gens["with"].tokenizer.apply_chat_template(q["messages"]) for q in load_prompts(a.prompts)[: a.limit]]
-    configs = [("plain", "none"), (f"ngram g={a.gamma}", "ngram")]
+    configs = guess_configs(a)
     keys = [(name, config) for config, _ in configs for name in gens]
     for gen in gens.values():  # sessions are made on first use: one untimed run each
         for _, proposer in configs:

@@ -3,7 +3,7 @@ same bundle in two generators, plain decode and prompt lookup interleaved in one
 against plain decode.
 
     python benchmarks/padding_guesses.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
-        [--max-new-tokens 128] [--gamma 4] [--threads 2] [--json OUT]
+        [--max-new-tokens 128] [--gamma 4] [--proposers ngram,draft] [--threads 2] [--json OUT]
 
 Padding rows are the rows of the step graph a round runs past its tokens: two-row decode's second row in a round
 that proposes nothing (kernel_probe.row_plan: int4 in blocks of 32 on an AVX2-only CPU), and the rows after a
@@ -40,9 +40,15 @@ def guesses_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--proposers", default="ngram", help="comma-separated, after plain decode: ngram, draft")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="OUT")
     return p
+
+
+def guess_configs(a) -> list[tuple[str, str]]:
+    """(name, proposer): plain decode, then each of --proposers."""
+    return [("plain", "none")] + [(f"{p} g={a.gamma}", p) for p in a.proposers.split(",")]
 
 
 def main() -> None:
@@ -52,7 +58,7 @@ def main() -> None:
     gens["without"].target.__class__ = _NoPaddingRows
     prompts = load_prompts(a.prompts)[: a.limit]
     ids = [gens["with"].tokenizer.apply_chat_template(q["messages"]) for q in prompts]
-    configs = [("plain", "none"), (f"ngram g={a.gamma}", "ngram")]
+    configs = guess_configs(a)
     keys = [(name, config) for config, _ in configs for name in gens]
     speeds = {k: [] for k in keys}
     same = dict.fromkeys(keys, 0)

@@ -1,10 +1,10 @@
 """How a batch's step-width choice (runtime/draft_length.py, StepWidth) trusts what it measured: prompt lookup
-with each width judged on its first round (trust 1, never forgotten: the rule before 2026-12-07) against the
+(or --proposers draft) with each width judged on its first round (trust 1, never forgotten: the rule before 2026-12-07) against the
 default (a width trusted after 3 rounds, capped at a wider width's cost, forgotten after 256 rounds unrun), and
 plain decode, in one --batch B bundle, interleaved in one process, every row checked against plain decode.
 
     python benchmarks/step_width.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
-        [--max-new-tokens 128] [--gamma 4] [--repeats 3] [--threads 2] [--fresh] [--json OUT]
+        [--max-new-tokens 128] [--gamma 4] [--proposers ngram] [--repeats 3] [--threads 2] [--fresh] [--json OUT]
 
 Each rule keeps one StepWidth through the runs, as a generator (or a server) does across its batches, from a
 short untimed run that loads the sessions on; --fresh gives every timed run a new one instead, as a new process
@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fresh", action="store_true", help="a new StepWidth for every timed run")
     a = p.parse_args()
+    if "," in a.proposers:
+        p.error("one proposer (--proposers ngram or draft)")
 
     gen = BatchGenerator.load(a.bundle, threads=a.threads)
     ids = [gen.tokenizer.apply_chat_template(q["messages"]) for q in load_prompts(a.prompts)[: a.limit]]
@@ -39,7 +41,7 @@ def main() -> None:
     kept = {rule: StepWidth(widths, **(options or {})) for rule, options in RULES.items()}
     for rule, options in RULES.items():  # the sessions' first runs, and what a kept StepWidth learns from them
         gen.runner.step_width = kept[rule]
-        gen.generate_batch(ids[: gen.batch], 4, proposer="none" if options is None else "ngram", gamma=a.gamma,
+        gen.generate_batch(ids[: gen.batch], 4, proposer="none" if options is None else a.proposers, gamma=a.gamma,
                            min_new_tokens=4)
     runs = {rule: [] for rule in RULES}  # rule -> [(seconds, drafts proposed, accepted)]
     plain, identical = None, dict.fromkeys(RULES, True)
@@ -47,7 +49,7 @@ def main() -> None:
         for rule, options in RULES.items():
             gen.runner.step_width = StepWidth(widths, **(options or {})) if a.fresh else kept[rule]
             began = time.perf_counter()
-            results = gen.generate_batch(ids, a.max_new_tokens, proposer="none" if options is None else "ngram",
+            results = gen.generate_batch(ids, a.max_new_tokens, proposer="none" if options is None else a.proposers,
                                          gamma=a.gamma, min_new_tokens=a.max_new_tokens)
             seconds = time.perf_counter() - began
             tokens = [r.tokens for r in results]
