@@ -369,27 +369,26 @@ class BatchRunner:
     def _add_guesses(self, drafts: dict[int, list[int]], feeds: list[list[int]], lone: int | None) -> None:
         """Prompt-lookup guesses (proposers.ngram_guesses) in the padding rows of the step about to run, which
         computes them anyway: a row whose chain is shorter than the widest row's (or who proposed nothing) pads
-        to the step's width T. Rows that speculate with prompt lookup, or greedily with a layer draft (whose
-        tokens cost draft steps, the guesses none). A sampled prompt-lookup row fills only the padding it would
-        have at batch 1 (its chain in the step graphs a batch-1 run of its gamma uses, T=1 and T=gamma+1, where
-        the batch loads every T up to the widest), so that its acceptance draws, and its output, stay those of
-        its batch-1 run with the same seed."""
+        to the step's width T. Prompt-lookup rows take them, and layer-draft rows whose drafts carry no
+        probabilities (greedy, or a round without drafts): a draft token costs a draft step, a guess nothing. A
+        sampled row fills only the padding it would have at batch 1 (its chain in the step graphs a batch-1 run of
+        its gamma uses, T=1 and T=gamma+1, where the batch loads every T up to the widest), so that its
+        acceptance draws, and its output, stay those of its batch-1 run with the same seed."""
         if lone is None:
             width = self.target.step_graph_for(max(len(f) for f in feeds))
         else:
             width = self.target.row_step_width(lone, len(feeds[lone]))
         for b, d in drafts.items():
             row = self.rows[b]
-            # A layer draft row guesses when greedy, as at batch 1 (sampled, its drafts carry probabilities);
-            # an own-cache draft model's would have to catch its cache up on them (proposers.DraftModelProposer).
-            if row.proposer == "draft" and (self.own_draft_cache or not row.params.greedy):
-                continue
-            if row.proposer == "none":
+            # As at batch 1 (Generator: guesses follow drafts without probabilities); an own-cache draft model
+            # would have to catch its cache up on accepted guesses (proposers.DraftModelProposer.guesses).
+            if row.proposer == "none" or row.proposer == "draft" and (
+                    self.own_draft_cache or (d and not row.params.greedy)):
                 continue
             if row.params.greedy:
                 padding = width - len(feeds[b])
             else:
-                padding = self.target.padding_rows(len(feeds[b]), self.target.steps_for([1, row.gamma + 1]))
+                padding = self.target.padding_rows(len(feeds[b]), self.target.steps_for([1, row.gamma + 1], row=True))
             room = min(padding, row.max_new_tokens - len(row.output) - 1 - len(d))
             guesses = ngram_guesses(np.asarray(row.context + d), room, row.ngram[1]) if room > 0 else []
             if guesses and len(row.output) < row.min_new_tokens:  # a held-back stop id ends what can be accepted

@@ -213,9 +213,10 @@ class ModelRunner:
         self._step_sizes = self.steps_for(sizes)
         return self._step_sizes
 
-    def steps_for(self, sizes: list[int] | None) -> list[int]:
-        """The step graphs `use_steps(sizes)` would restrict runs to."""
-        return _restrict(self._usable(self.entry.step_tokens()), self._widen(sizes))
+    def steps_for(self, sizes: list[int] | None, row: bool = False) -> list[int]:
+        """The step graphs `use_steps(sizes)` would restrict runs to; `row`: those a batch-1 bundle of the same
+        export would, under this plan (a batch step of B rows at T=1 is no one-row product, a row's is)."""
+        return _restrict(self._usable(self.entry.step_tokens(), row), self._widen(sizes, row))
 
     @property
     def step_sizes(self) -> list[int]:

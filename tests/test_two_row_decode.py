@@ -59,7 +59,8 @@ def test_two_row_decode_gives_the_plain_plans_tokens(layer_draft_pair, proposer,
         assert got.stats.proposed > got.stats.accepted > 0
     # prompt lookup fills the padding row of a round that proposes nothing (runtime/proposers.py, guesses); the
     # one-row plan has no such row (it guesses only after a chain shorter than gamma, padded into T=gamma+1:
-    # never at gamma 1), plain decode and a draft model never guess
+    # never at gamma 1); plain decode never guesses, and a layer draft with a fixed length (adaptive=False)
+    # neither pauses nor shrinks, so it leaves no padding (its guesses: test_sampled_rows_guess_as_their_batch_1_runs)
     if proposer != "ngram" or gamma == 1:
         assert want.stats.spare_proposed == 0
     assert (got.stats.spare_proposed > 0) == (proposer == "ngram"), got.stats
@@ -143,6 +144,29 @@ def test_batch_rows_and_lone_rows_decode_in_two_rows(batch_bundle, proposer):
     assert got[0].tokens == want[0].tokens and len(got[0].tokens) == 30
     if proposer != "none":
         assert sum(r.stats.proposed for r in got) > sum(r.stats.accepted for r in got) > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampled_rows_guess_as_their_batch_1_runs(batch_bundle, layer_draft_pair, proposer):
+    """Under two-row decode a round without drafts (prompt lookup found nothing, or a layer draft paused after
+    misses) puts a prompt-lookup guess in the padding row; a layer draft's sampled rounds with drafts (which
+    carry probabilities) do not. A batch step of several rows at T=1 has no padding row, yet a sampled batch
+    row guesses exactly where its batch-1 run does, so a seed still reproduces its batch-1 tokens."""
+    _, one = layer_draft_pair  # the same model and export options at batch 1, under two-row decode
+    two = _load(BatchGenerator, batch_bundle, TWO_ROWS)
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(3)]
+    sampling = dict(temperature=0.8, top_k=5, stop_ids=[])
+    try:
+        results = two.generate_batch(prompts, 40, proposer=proposer, gamma=4, seed=7, **sampling)
+    finally:
+        two.close()
+    made = accepted = proposed = 0
+    for b, (prompt, res) in enumerate(zip(prompts, results)):
+        alone = one.generate(prompt, 40, proposer=proposer, gamma=4, seed=7 + b, **sampling)
+        assert (res.tokens, res.stats.spare_proposed) == (alone.tokens, alone.stats.spare_proposed), b
+        made, accepted = made + res.stats.spare_proposed, accepted + res.stats.spare_accepted
+        proposed += res.stats.proposed - res.stats.spare_proposed
+    assert made > accepted > 0 and proposed > 0, (made, accepted, proposed)
 
 
 def test_a_row_at_the_end_of_the_context_runs_in_the_batch_step(batch_bundle):
