@@ -343,7 +343,7 @@ class BatchRunner:
                                                   probs_from_logits(rows_b, row.params), row.rng)
             target.cache.set_row_length(b, bases[b] + 1 + accepted)
             if self.own_draft_cache and row.proposer == "draft":
-                self._commit_draft_model_row(b, d, accepted)
+                self._commit_draft_model_row(b, d, proposed[b], accepted)
             row.length.update(proposed[b], min(accepted, proposed[b]))
             new, reason = cut_round(d[:accepted] + [int(token)], len(row.output), row.max_new_tokens, row.stop,
                                     row.stop_strings)
@@ -380,10 +380,9 @@ class BatchRunner:
             width = self.target.row_step_width(lone, len(feeds[lone]))
         for b, d in drafts.items():
             row = self.rows[b]
-            # As at batch 1 (Generator: guesses follow drafts without probabilities); an own-cache draft model
-            # would have to catch its cache up on accepted guesses (proposers.DraftModelProposer.guesses).
-            if row.proposer == "none" or row.proposer == "draft" and (
-                    self.own_draft_cache or (d and not row.params.greedy)):
+            # As at batch 1 (Generator: guesses follow drafts without probabilities). An own-cache draft model
+            # feeds its accepted guesses with its next round's pending token (_commit_draft_model_row).
+            if row.proposer == "none" or (row.proposer == "draft" and d and not row.params.greedy):
                 continue
             if row.params.greedy:
                 padding = width - len(feeds[b])
@@ -422,8 +421,9 @@ class BatchRunner:
             lag = [self.rows[b].draft_feed[:-1] if b in wanted and len(self.rows[b].draft_feed) > widest else []
                    for b in range(self.batch)]
             for b, n in enumerate(draft.prefill_chunk(lag)):
-                if n:
+                if n:  # those n tokens are in the cache now: the round's feed starts after them
                     self.rows[b].draft_feed = self.rows[b].draft_feed[n:]
+                    self.rows[b].draft_base += n
         return self._draft_positions(wanted, {b: self.rows[b].draft_feed for b in wanted}, drafts)
 
     def _draft_positions(self, wanted: dict[int, int], first: dict[int, list[int]],
@@ -444,16 +444,19 @@ class BatchRunner:
                     probs[b].append(q)
         return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
 
-    def _commit_draft_model_row(self, b: int, proposed: list[int], accepted: int) -> None:
-        """Keep what the target accepted in the own-cache draft's row (DraftModelProposer.commit)."""
-        row, k = self.rows[b], len(proposed)
+    def _commit_draft_model_row(self, b: int, verified: list[int], k: int, accepted: int) -> None:
+        """Keep what the target accepted in the own-cache draft's row (DraftModelProposer.commit): `verified`
+        is the round's chain, its first k tokens the draft's own (the rest guesses)."""
+        row = self.rows[b]
         if k == 0:  # the target consumed the pending token without drafts; the draft never saw the feed
             self.draft.cache.set_row_length(b, row.draft_base)
-            row.draft_behind = row.draft_feed
+            row.draft_behind = row.draft_feed + verified[:accepted]
             return
-        # Its cache holds base + feed + drafts[:k-1]; after a full accept the last draft was never fed.
-        self.draft.cache.set_row_length(b, row.draft_base + len(row.draft_feed) + min(accepted, k - 1))
-        row.draft_behind = [proposed[-1]] if accepted == k else []
+        # Its cache holds base + feed + drafts[:k-1]; the rest of what was accepted (after a full accept the last
+        # draft, never fed; accepted guesses) waits to be fed with the next pending token.
+        ran = min(accepted, k - 1)
+        self.draft.cache.set_row_length(b, row.draft_base + len(row.draft_feed) + ran)
+        row.draft_behind = verified[ran:accepted]
 
 
 def _prefill_graphs(runner: ModelRunner) -> list[tuple[str, int]]:

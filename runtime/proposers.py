@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from .draft_length import RateChoice
-from .model import ModelRunner
+from .model import ModelRunner, common_prefix
 from .output_history import HISTORY_N_MIN, OutputHistory
 from .penalties import PenaltyState
 from .sampling import (SamplingParams, emittable_drafts, emittable_nodes, greedy_token, hold_back, probs_from_logits,
@@ -279,6 +279,8 @@ class DraftModelProposer:
         self._feed: list[int] = []
         self._proposed: list[int] = []
         self._base = 0
+        self._context = 0  # tokens of the context this round was proposed for
+        self._verified: list[int] | None = None  # the chain the round verifies, when guesses follow it
 
     def start(self, prompt: list[int], reuse: bool = False) -> None:
         if not reuse:
@@ -290,9 +292,12 @@ class DraftModelProposer:
         return self.propose_tree(context, k, k, sampler)
 
     def guesses(self, context: list[int], n: int) -> list[int]:
-        # Prompt lookup's would be free in the verify step, but an accepted one is a token this model's own
-        # cache never ran: the next round would first feed it several tokens (a prefill graph) to catch up.
-        return []
+        """Prompt lookup's guesses (ngram_guesses) for the verify step's padding rows (rounds this draft sits out
+        after misses, the rows after a chain whose k shrank): free there. An accepted guess is a token this
+        model's cache never ran, so `commit` puts it behind, to be fed with the next round's pending token."""
+        guesses = ngram_guesses(np.asarray(context), n, NGRAM_SIZES[1])
+        self._verified = list(context[self._context:]) + guesses  # the chain as verified (maybe cut), guesses
+        return guesses
 
     def propose_tree(self, context: list[int], k: int, nodes: int, sampler: Sampler) -> Proposal:
         """A chain of k drafts, plus leaves (the draft's next candidates at the first positions) up to
@@ -300,7 +305,7 @@ class DraftModelProposer:
         cache = self.runner.cache
         self._feed = self._behind + [context[-1]]
         self._base = cache.used
-        self._proposed = []
+        self._proposed, self._context, self._verified = [], len(context), None
         # Slots needed: the feed, then every draft but the last (it is never fed back).
         k = min(k, cache.free - len(self._feed) + 1)
         if k < 1:
@@ -315,18 +320,20 @@ class DraftModelProposer:
         return proposal
 
     def commit(self, n_accepted: int, next_token: int, leaf: int | None = None) -> None:
-        """n_accepted drafts of the chain were kept, then `leaf` (a tree node off the chain) if given."""
-        k = len(self._proposed)
-        if k == 0:
+        """n_accepted tokens of the chain (and of the guesses after it) were kept, then `leaf` (a tree node off
+        the chain) if given."""
+        accepted = (self._proposed if self._verified is None else self._verified)[:n_accepted]
+        if not self._proposed:
             # The target consumed the pending token without drafts; the draft cache never saw it.
             self.runner.cache.set_length(self._base)
-            self._behind = self._feed
+            self._behind = self._feed + accepted
             return
-        # The cache now holds base + feed + drafts[:k-1]; keep the part the target accepted. After a full
-        # accept the last draft was never fed, so it waits to be fed with the next pending token (T=2), and
-        # so does an accepted leaf, which the draft never ran.
-        self.runner.cache.set_length(self._base + len(self._feed) + min(n_accepted, k - 1))
-        self._behind = ([self._proposed[-1]] if n_accepted == k else []) + ([leaf] if leaf is not None else [])
+        # The cache now holds base + feed + drafts[:k-1]; keep the entries of accepted tokens it ran. The rest
+        # (after a full accept the last draft, never fed; accepted guesses; an accepted leaf) wait to be fed
+        # with the next pending token.
+        ran = common_prefix(accepted, self._proposed[:-1])
+        self.runner.cache.set_length(self._base + len(self._feed) + ran)
+        self._behind = accepted[ran:] + ([leaf] if leaf is not None else [])
 
 
 class LayerDraftProposer:

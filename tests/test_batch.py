@@ -418,19 +418,63 @@ def test_draft_model_rows_equal_their_batch_1_output(pair_gens, gamma):
                                          stop_ids=[]).tokens
 
 
-def test_draft_model_rows_make_no_guesses(pair_gens, monkeypatch):
-    """A draft model with its own cache makes no guesses after a shrunk chain (its cache would have to catch up on
-    them: proposers.DraftModelProposer.guesses), at batch 1 or in a batch whose step is the widest that fits
-    (so that shrunk chains run padded); its output stays plain decode's."""
+def _first_drafts(monkeypatch, g1, g3) -> dict:
+    """Record each round's first draft token by (prompt's first token, context length), at batch 1
+    (DraftModelProposer.propose_tree) and in the batch (BatchRunner._draft_positions). A greedy draft's first token
+    depends only on the context, so two runs that commit the same tokens propose alike at every context length
+    both reach, when the draft's cache holds what it should."""
+    from specedge.runtime.proposers import DraftModelProposer
+    seen: dict = {}
+    real_propose = DraftModelProposer.propose_tree
+
+    def propose_tree(self, context, k, nodes, sampler):
+        proposal = real_propose(self, context, k, nodes, sampler)
+        if proposal.tokens:
+            seen.setdefault(("one", context[0], len(context)), proposal.tokens[0])
+        return proposal
+
+    real_positions = g3.runner._draft_positions
+
+    def draft_positions(wanted, first, drafts):
+        out = real_positions(wanted, first, drafts)
+        for b in wanted:
+            context = g3.runner.rows[b].context
+            seen.setdefault(("batch", context[0], len(context)), drafts[b][0])
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "propose_tree", propose_tree)
+    monkeypatch.setattr(g3.runner, "_draft_positions", draft_positions)
+    return seen
+
+
+def test_draft_model_rows_guess_and_feed_their_cache_what_it_missed(pair_gens, monkeypatch):
+    """A draft model with its own cache takes prompt lookup's guesses in the padding rows too (its paused rounds,
+    the rows after a shrunk chain); an accepted guess is a token its cache never ran, fed with the next round's
+    pending token. Proof that the cache holds what it should: its first draft at every context length equals the
+    one of a run without guesses (whose rounds fall elsewhere), at batch 1 and in a batch whose step is the widest
+    that fits (so that shrunk chains run padded); outputs are plain decode's."""
     g1, g3 = pair_gens
-    monkeypatch.setattr(g3.runner.step_width, "choose", lambda rows, bucket, least, most, closed, widths=None: most)
     prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
-    results = g3.generate_batch(prompts, 48, proposer="draft", gamma=4, stop_ids=[])
-    for prompt, res in zip(prompts, results):
-        alone = g1.generate(prompt, 48, proposer="draft", gamma=4, stop_ids=[])
-        assert res.tokens == alone.tokens == g1.generate(prompt, 48, proposer="none", stop_ids=[]).tokens
-        assert res.stats.spare_proposed == alone.stats.spare_proposed == 0
-    assert sum(r.stats.proposed - r.stats.accepted for r in results) > 0  # misses: k shrank, chains padded
+    plain = [g1.generate(p, 48, proposer="none", stop_ids=[]).tokens for p in prompts]
+    with monkeypatch.context() as patch:  # the reference: no padding rows, so no guesses
+        reference = _first_drafts(patch, g1, g3)
+        patch.setattr(g1.target, "padding_rows", lambda n: 0)
+        for prompt, want in zip(prompts, plain):
+            assert g1.generate(prompt, 48, proposer="draft", gamma=4, stop_ids=[]).tokens == want
+    monkeypatch.setattr(g3.runner.step_width, "choose", lambda rows, bucket, least, most, closed, widths=None: most)
+    seen = _first_drafts(monkeypatch, g1, g3)
+    alone = [g1.generate(p, 48, proposer="draft", gamma=4, stop_ids=[]) for p in prompts]
+    batch = g3.generate_batch(prompts, 48, proposer="draft", gamma=4, stop_ids=[])
+    for want, one, res in zip(plain, alone, batch):
+        assert one.tokens == res.tokens == want
+    for results in (alone, batch):
+        made, accepted = (sum(getattr(r.stats, f) for r in results) for f in ("spare_proposed", "spare_accepted"))
+        assert made > accepted > 0, (made, accepted)
+    for where in ("one", "batch"):
+        shared = [key for key in seen if key[0] == where and ("one",) + key[1:] in reference]
+        assert len(shared) > 20, (where, len(shared))
+        wrong = [key for key in shared if seen[key] != reference[("one",) + key[1:]]]
+        assert not wrong, (where, len(shared), wrong[:5])
 
 
 def test_draft_model_rows_with_penalties_draft_as_batch_1_does(pair_gens):
