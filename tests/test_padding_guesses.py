@@ -77,8 +77,8 @@ def test_a_layer_draft_guesses_after_its_chain_shrinks(gen, monkeypatch):
     """After a miss a draft's k shrinks (DraftLength) and its chain runs padded into T=gamma+1: the tiny layer
     draft's misses shrink it to 1 here. Prompt lookup's guesses fill those rows (a layer draft reads the target's
     cache, so an accepted guess needs no catch-up): output equals plain decode with and without them, drafts and
-    guesses were made, accepted and rejected, and the guesses saved rounds. (A draft model with its own cache
-    makes none: test_batch.py, test_draft_model_rows_equal_their_batch_1_output.)"""
+    guesses were made, accepted and rejected, and the guesses saved rounds. (A draft model with its own cache:
+    test_batch.py and test_two_row_decode.py, which check what its cache is fed.)"""
     totals = collections.Counter()
     for seed in range(4):
         prompt = _repetitive_prompt(seed)

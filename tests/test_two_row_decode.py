@@ -115,6 +115,39 @@ def test_a_draft_model_with_its_own_cache_decodes_in_one_row_steps(tiny_pair_bun
         two.close()
 
 
+@pytest.mark.parametrize("draft", ["near", "poor"])
+def test_a_draft_model_feeds_its_cache_the_guesses_it_missed(tiny_pair_bundle, tiny_models, tiny_draft_model,
+                                                              tmp_path, monkeypatch, draft):
+    """Under two-row decode the rounds a draft model sits out (paused after misses: often with a poor draft, an
+    unrelated model) guess in the padding row, as do the rows after its shrunk chains; an accepted guess is a token
+    its own cache never ran, fed with the next round's pending token. Its logits at every context length equal
+    the one-row plan's without guesses (test_batch._first_drafts): the cache holds what it should."""
+    from test_batch import _first_drafts
+
+    bundle = tiny_pair_bundle
+    if draft == "poor":
+        bundle = str(tmp_path / "poor")
+        export_bundle(tiny_models["llama"][0], bundle, ExportOptions(context=128, prefill_chunk=CHUNK),
+                      draft_path=tiny_draft_model[0], progress=False)
+    plain, two = _load(Generator, bundle, None), _load(Generator, bundle, TWO_ROWS)
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(4)]
+    try:
+        with monkeypatch.context() as patch:
+            reference = _first_drafts(patch)
+            patch.setattr(plain.target, "padding_rows", lambda n: 0)
+            want = [plain.generate(p, 60, proposer="draft", gamma=4, stop_ids=[]).tokens for p in prompts]
+        seen = _first_drafts(monkeypatch)
+        got = [two.generate(p, 60, proposer="draft", gamma=4, stop_ids=[]) for p in prompts]
+    finally:
+        plain.close()
+        two.close()
+    assert [g.tokens for g in got] == want
+    made, accepted = sum(g.stats.spare_proposed for g in got), sum(g.stats.spare_accepted for g in got)
+    assert made > accepted > 0, (made, accepted)
+    shared = [key for key in seen if key in reference]
+    assert len(shared) > 20 and all(np.array_equal(seen[key], reference[key]) for key in shared), len(shared)
+
+
 @pytest.fixture(scope="module")
 def batch_bundle(tiny_models, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two_row") / "b3")
