@@ -369,8 +369,8 @@ class BatchRunner:
     def _add_guesses(self, drafts: dict[int, list[int]], feeds: list[list[int]], lone: int | None) -> None:
         """Prompt-lookup guesses (proposers.ngram_guesses) in the padding rows of the step about to run, which
         computes them anyway: a row whose chain is shorter than the widest row's (or who proposed nothing) pads
-        to the step's width T. Prompt-lookup rows take them, and layer-draft rows whose drafts carry no
-        probabilities (greedy, or a round without drafts): a draft token costs a draft step, a guess nothing. A
+        to the step's width T. Prompt-lookup rows take them, and draft rows whose drafts carry no probabilities
+        (greedy, or a round without drafts): a draft token costs a draft step, a guess nothing. A
         sampled row fills only the padding it would have at batch 1 (its chain in the step graphs a batch-1 run of
         its gamma uses, T=1 and T=gamma+1, where the batch loads every T up to the widest), so that its
         acceptance draws, and its output, stay those of its batch-1 run with the same seed."""
