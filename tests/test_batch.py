@@ -419,8 +419,9 @@ def test_draft_model_rows_equal_their_batch_1_output(pair_gens, gamma):
 
 
 def _first_drafts(monkeypatch, g3=None) -> dict:
-    """Record the draft's logits after each round's feed by (which run, prompt's first token, context length), at
-    batch 1 (DraftModelProposer.propose_tree) and in the batch (BatchRunner._draft_positions' first draft step).
+    """Record the draft's logits after each round's feed by (which run, the prompt's first 16 tokens, context
+    length), at batch 1 (DraftModelProposer.propose_tree) and in the batch (BatchRunner._draft_positions' first
+    draft step).
     They depend only on the context (float32 rows are alike at every T and batch row), so two runs that commit the
     same tokens draft alike at every context length both reach, when the draft's cache holds what it should."""
     from specedge.runtime import proposers
@@ -429,7 +430,7 @@ def _first_drafts(monkeypatch, g3=None) -> dict:
     real_propose = proposers.DraftModelProposer.propose_tree
 
     def propose_tree(self, context, k, nodes, sampler):
-        context_length[:] = [context[0], len(context)]
+        context_length[:] = [tuple(context[:16]), len(context)]
         return real_propose(self, context, k, nodes, sampler)
 
     def draft_tokens(runner, logits, *args, **kwargs):
@@ -457,7 +458,7 @@ def _first_drafts(monkeypatch, g3=None) -> dict:
             del g3.draft.run_rows
         for b in wanted:
             context = g3.runner.rows[b].context
-            seen.setdefault(("batch", context[0], len(context)), firsts[0][b])
+            seen.setdefault(("batch", tuple(context[:16]), len(context)), firsts[0][b])
         return out
 
     monkeypatch.setattr(g3.runner, "_draft_positions", draft_positions)
