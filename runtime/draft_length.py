@@ -19,7 +19,7 @@ for whatever k it used).
 """
 from __future__ import annotations
 
-import numpy as np
+import statistics
 
 
 class DraftLength:
@@ -161,13 +161,19 @@ class StepWidth:
         wider trusted width's (a wider step never costs less). Not yet trusted (fewer than `trust` rounds): what
         the widest narrower width costs, so the width is tried where its drafts could pay; 0 when no narrower
         width is measured either, so that the narrowest is measured first."""
-        measured = self._seconds.get((bucket, width), [])
-        if len(measured) < self.trust:
-            narrower = [t for (b, t) in self._seconds if b == bucket and t < width]
-            return self.seconds(bucket, max(narrower)) if narrower else 0.0
-        wider = [float(np.median(runs)) for (b, t), runs in self._seconds.items()
-                 if b == bucket and t > width and len(runs) >= self.trust]
-        return min([float(np.median(measured))] + wider)
+        return _at_or_below(self._estimates(bucket), width)
+
+    def _estimates(self, bucket) -> dict[int, float]:
+        """`seconds` of every width measured at this bucket, in one pass (choose asks for each candidate)."""
+        runs = {t: r for (b, t), r in self._seconds.items() if b == bucket}
+        estimates, cap = {}, float("inf")
+        for t in sorted(runs, reverse=True):  # trusted: capped by the wider trusted ones
+            if len(runs[t]) >= self.trust:
+                estimates[t] = cap = min(cap, float(statistics.median(runs[t])))
+        for t in sorted(runs):  # not trusted: the widest narrower width's
+            if t not in estimates:
+                estimates[t] = _at_or_below(estimates, t - 1)
+        return estimates
 
     def choose(self, rows: list[tuple[int, float, int]], bucket: int, least: int = 1, most: int | None = None,
                closed: bool = False, widths: list[int] | None = None) -> int:
@@ -180,6 +186,7 @@ class StepWidth:
         and the width is the one that finishes the slowest row soonest (the fewest seconds for the row with
         the most rounds left)."""
         widths = self.widths if widths is None else sorted(widths)
+        estimates = self._estimates(bucket)
         candidates = [t for t in widths if least <= t <= (most or widths[-1])] or [least]
         longest = max((n for n, _, _ in rows), default=0)
         best, best_rate = candidates[0], -1.0
@@ -191,7 +198,7 @@ class StepWidth:
                 worth = min(e / max(1, left) for e, (_, _, left) in zip(tokens, rows))
             else:
                 worth = sum(tokens)
-            seconds = self.seconds(bucket, t)
+            seconds = _at_or_below(estimates, t)
             rate = worth / seconds if seconds else float("inf")
             if rate > best_rate:
                 best, best_rate = t, rate
@@ -205,6 +212,12 @@ class StepWidth:
         runs.append(seconds)
         del runs[: -self.samples]
         self._last[(bucket, width)] = now
+
+
+def _at_or_below(estimates: dict[int, float], width: int) -> float:
+    """The estimate of the widest width up to `width` (0 when there is none)."""
+    below = [t for t in estimates if t <= width]
+    return estimates[max(below)] if below else 0.0
 
 
 class TreeChoice(RateChoice):
