@@ -389,7 +389,8 @@ class BatchRunner:
             else:
                 padding = self.target.padding_rows(len(feeds[b]), self.target.steps_for([1, row.gamma + 1], row=True))
             room = min(padding, row.max_new_tokens - len(row.output) - 1 - len(d))
-            guesses = ngram_guesses(np.asarray(row.context + d), room, row.ngram[1]) if room > 0 else []
+            n_max = row.ngram[1] if row.proposer == "ngram" else NGRAM_SIZES[1]  # the sizes batch 1's proposer has
+            guesses = ngram_guesses(np.asarray(row.context + d), room, n_max) if room > 0 else []
             if guesses and len(row.output) < row.min_new_tokens:  # a held-back stop id ends what can be accepted
                 guesses = guesses[:emittable_drafts(d + guesses, len(row.output), row.min_new_tokens, row.stop)
                                   - len(d)]
