@@ -1,7 +1,8 @@
 """How a batch's step-width choice (runtime/draft_length.py, StepWidth) trusts what it measured: prompt lookup
-(or --proposers draft) with each width judged on its first round (trust 1, never forgotten: the rule before 2026-12-07) against the
-default (a width trusted after 3 rounds, capped at a wider width's cost, forgotten after 256 rounds unrun), and
-plain decode, in one --batch B bundle, interleaved in one process, every row checked against plain decode.
+(or --proposers draft) with each width judged on its first round (trust 1, never forgotten: the rule before
+2026-12-07) against the default (a width trusted after 3 rounds, capped at a wider width's cost, forgotten after
+256 rounds unrun), and plain decode, in one --batch B bundle, interleaved in one process, every row checked
+against plain decode.
 
     python benchmarks/step_width.py BUNDLE [--prompts tools/prompts/short_edits.jsonl] [--limit 16]
         [--max-new-tokens 128] [--gamma 4] [--proposers ngram] [--repeats 3] [--threads 2] [--fresh] [--json OUT]
