@@ -1,6 +1,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -10,6 +11,11 @@ from models import make_hf_model, make_near_copy, smollm2_gguf  # noqa: E402
 from specedge.export.bundle import ExportOptions, export_bundle  # noqa: E402
 
 CHUNK = 16  # prefill chunk of the tiny bundles
+
+
+def repetitive_prompts(n: int) -> list[list[int]]:
+    """n prompts of few distinct tokens, repeated: prompt lookup, and its guesses in padding rows, find matches."""
+    return [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(n)]
 
 
 @pytest.hookimpl(tryfirst=True)

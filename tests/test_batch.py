@@ -4,7 +4,7 @@ import collections
 
 import numpy as np
 import pytest
-from conftest import CHUNK
+from conftest import CHUNK, repetitive_prompts
 from test_generate import prompt_of
 
 from specedge.errors import GenerationError
@@ -58,7 +58,7 @@ def test_greedy_rows_guess_in_the_steps_padding_rows(gens):
     greedy prompt-lookup rows put guesses there (BatchRunner._add_guesses): some accepted, some rejected, and
     every row's output is still its plain batch-1 output."""
     g1, g3 = gens
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    prompts = repetitive_prompts(B)
     results = g3.generate_batch(prompts, 48, proposer="ngram", gamma=2, stop_ids=[], adaptive=False)
     for prompt, res in zip(prompts, results):
         assert res.tokens == g1.generate(prompt, 48, proposer="none", stop_ids=[]).tokens
@@ -76,7 +76,7 @@ def test_sampled_rows_guess_only_where_batch_1_would(gens, monkeypatch):
     monkeypatch.setattr(batch_module, "ngram_chain", lambda *args: real_chain(*args)[:1])
     monkeypatch.setattr(NgramProposer, "propose", lambda self, *args: real_propose(self, *args).cut(1))
     g1, g3 = gens
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    prompts = repetitive_prompts(B)
     sampling = dict(temperature=0.5, top_k=3, stop_ids=[], adaptive=False)
     results = g3.generate_batch(prompts, 48, proposer="ngram", gamma=4, seed=11, **sampling)
     made = accepted = 0
@@ -338,7 +338,7 @@ def test_greedy_layer_draft_rows_guess_in_the_steps_padding_rows(draft_gens, mon
     the step width here is the widest that fits, so that shrunk chains run padded.)"""
     g1, g3 = draft_gens
     monkeypatch.setattr(g3.runner.step_width, "choose", lambda rows, bucket, least, most, closed, widths=None: most)
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    prompts = repetitive_prompts(B)
     results = g3.generate_batch(prompts, 48, proposer="draft", gamma=4, stop_ids=[])
     for prompt, res in zip(prompts, results):
         assert res.tokens == g1.generate(prompt, 48, proposer="none", stop_ids=[]).tokens
@@ -472,7 +472,7 @@ def test_draft_model_rows_guess_and_feed_their_cache_what_it_missed(pair_gens, m
     one of a run without guesses (whose rounds fall elsewhere), at batch 1 and in a batch whose step is the widest
     that fits (so that shrunk chains run padded); outputs are plain decode's."""
     g1, g3 = pair_gens
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+    prompts = repetitive_prompts(B)
     _assert_drafts_follow_the_cache(monkeypatch, g1, g3, prompts, 48)
 
 
@@ -545,7 +545,7 @@ def test_draft_model_rows_catch_up_after_rounds_without_drafts(tiny_models, tiny
         assert lagging and max(lagging) > 1
         # and what the catch-ups fed (rounds without drafts, accepted guesses) is what the cache then holds
         with pytest.MonkeyPatch.context() as patch:
-            prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(B)]
+            prompts = repetitive_prompts(B)
             # (a poor draft's shrunk chain ends in a token prompt lookup cannot continue: no guesses here; its
             # paused rounds guess under two-row decode, test_two_row_decode.py)
             _assert_drafts_follow_the_cache(patch, g1, g3, prompts, 60, guessed=())

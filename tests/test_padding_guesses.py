@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
-from conftest import CHUNK
+from conftest import repetitive_prompts
 
 from specedge.runtime.generator import Generator
 from specedge.runtime.proposers import NgramProposer
@@ -25,10 +24,6 @@ def gen(tiny_bundle):
     g = Generator.load(tiny_bundle)
     yield g
     g.close()
-
-
-def _repetitive_prompt(seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)]  # few tokens, repeated
 
 
 @pytest.fixture
@@ -44,8 +39,7 @@ def test_guesses_after_a_short_chain_are_verified_like_drafts(gen, gamma, short_
     accepted and rejected, and they saved rounds."""
     assert gen.target.padding_rows(1) == 0  # a one-row plan: every guess here follows a chain
     proposed = accepted = made = guessed = rounds = rounds_without = 0
-    for seed in range(4):
-        prompt = _repetitive_prompt(seed)
+    for prompt in repetitive_prompts(4):
         plain = gen.generate(prompt, 48, proposer="none", stop_ids=[])
         got = gen.generate(prompt, 48, proposer="ngram", gamma=gamma, stop_ids=[], adaptive=False)
         with monkeypatch.context() as patch:
@@ -66,8 +60,7 @@ def test_guesses_after_a_short_chain_are_verified_like_drafts(gen, gamma, short_
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5])
 def test_guesses_stop_at_max_new_tokens(gen, max_new_tokens, short_chains):
     """A round never verifies past the tokens still wanted: the output is plain decode's prefix, exactly as long."""
-    for seed in range(4):
-        prompt = _repetitive_prompt(seed)
+    for prompt in repetitive_prompts(4):
         plain = gen.generate(prompt, 48, proposer="none", stop_ids=[])
         got = gen.generate(prompt, max_new_tokens, proposer="ngram", gamma=8, stop_ids=[], adaptive=False)
         assert got.tokens == plain.tokens[:max_new_tokens]
@@ -80,8 +73,7 @@ def test_a_layer_draft_guesses_after_its_chain_shrinks(gen, monkeypatch):
     guesses were made, accepted and rejected, and the guesses saved rounds. (A draft model with its own cache:
     test_batch.py and test_two_row_decode.py, which check what its cache is fed.)"""
     totals = collections.Counter()
-    for seed in range(4):
-        prompt = _repetitive_prompt(seed)
+    for prompt in repetitive_prompts(4):
         plain = gen.generate(prompt, 48, proposer="none", stop_ids=[])
         got = gen.generate(prompt, 48, proposer="draft", gamma=4, stop_ids=[])
         with monkeypatch.context() as patch:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import CHUNK
+from conftest import CHUNK, repetitive_prompts
 from test_generate import prompt_of
 
 from specedge.export.bundle import ExportOptions, export_bundle
@@ -75,8 +75,7 @@ def test_guesses_in_the_padding_row_are_accepted_and_rejected_and_change_no_toke
     only after short chains)."""
     plain, two = layer_draft_pair
     spare = [0, 0]
-    for seed in range(4):
-        prompt = [int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)]  # few tokens, repeated
+    for prompt in repetitive_prompts(4):
         want = plain.generate(prompt, 48, proposer="ngram", gamma=4, stop_ids=[])
         got = two.generate(prompt, 48, proposer="ngram", gamma=4, stop_ids=[])
         assert got.tokens == want.tokens
@@ -130,7 +129,7 @@ def test_a_draft_model_feeds_its_cache_the_guesses_it_missed(tiny_pair_bundle, t
         export_bundle(tiny_models["llama"][0], bundle, ExportOptions(context=128, prefill_chunk=CHUNK),
                       draft_path=tiny_draft_model[0], progress=False)
     plain, two = _load(Generator, bundle, None), _load(Generator, bundle, TWO_ROWS)
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(4)]
+    prompts = repetitive_prompts(4)
     try:
         with monkeypatch.context() as patch:
             reference = _first_drafts(patch)
@@ -187,7 +186,7 @@ def test_sampled_rows_guess_as_their_batch_1_runs(batch_bundle, layer_draft_pair
     row guesses exactly where its batch-1 run does, so a seed still reproduces its batch-1 tokens."""
     _, one = layer_draft_pair  # the same model and export options at batch 1, under two-row decode
     two = _load(BatchGenerator, batch_bundle, TWO_ROWS)
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(2, 40, CHUNK + 9)] for seed in range(3)]
+    prompts = repetitive_prompts(3)
     sampling = dict(temperature=0.8, top_k=5, stop_ids=[])
     try:
         results = two.generate_batch(prompts, 40, proposer=proposer, gamma=4, seed=7, **sampling)
