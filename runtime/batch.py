@@ -47,7 +47,7 @@ from .generator import (GenerationResult, check_min_new_tokens, check_request, c
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .output_history import HISTORY_N_MIN, OutputHistory, output_history
-from .proposers import NGRAM_SIZES, Sampler, ngram_chain, ngram_guesses
+from .proposers import NGRAM_SIZES, Sampler, draft_cache_commit, ngram_chain, ngram_guesses
 from .logprobs import TokenLogprob, check_logprobs, token_logprobs
 from .penalties import Penalties, PenaltyState, sampling_settings
 from .sampling import SamplingParams, emittable_drafts, hold_back, probs_from_logits
@@ -446,18 +446,12 @@ class BatchRunner:
         return {b: None if self.rows[b].params.greedy else np.stack(q) for b, q in probs.items()}
 
     def _commit_draft_model_row(self, b: int, verified: list[int], k: int, accepted: int) -> None:
-        """Keep what the target accepted in the own-cache draft's row (DraftModelProposer.commit): `verified`
-        is the round's chain, its first k tokens the draft's own (the rest guesses)."""
+        """Keep what the target accepted in the own-cache draft's row (draft_cache_commit, as at batch 1):
+        `verified` is the round's chain, its first k tokens the draft's own (the rest guesses)."""
         row = self.rows[b]
-        if k == 0:  # the target consumed the pending token without drafts; the draft never saw the feed
-            self.draft.cache.set_row_length(b, row.draft_base)
-            row.draft_behind = row.draft_feed + verified[:accepted]
-            return
-        # Its cache holds base + feed + drafts[:k-1]; the rest of what was accepted (after a full accept the last
-        # draft, never fed; accepted guesses) waits to be fed with the next pending token.
-        ran = min(accepted, k - 1)
-        self.draft.cache.set_row_length(b, row.draft_base + len(row.draft_feed) + ran)
-        row.draft_behind = verified[ran:accepted]
+        keep, row.draft_behind = draft_cache_commit(row.draft_feed, verified[:k - 1] if k else None,
+                                                    verified[:accepted])
+        self.draft.cache.set_row_length(b, row.draft_base + keep)
 
 
 def _prefill_graphs(runner: ModelRunner) -> list[tuple[str, int]]:

@@ -323,17 +323,23 @@ class DraftModelProposer:
         """n_accepted tokens of the chain (and of the guesses after it) were kept, then `leaf` (a tree node off
         the chain) if given."""
         accepted = (self._proposed if self._verified is None else self._verified)[:n_accepted]
-        if not self._proposed:
-            # The target consumed the pending token without drafts; the draft cache never saw it.
-            self.runner.cache.set_length(self._base)
-            self._behind = self._feed + accepted
-            return
-        # The cache now holds base + feed + drafts[:k-1]; keep the entries of accepted tokens it ran. The rest
-        # (after a full accept the last draft, never fed; accepted guesses; an accepted leaf) wait to be fed
-        # with the next pending token.
-        ran = common_prefix(accepted, self._proposed[:-1])
-        self.runner.cache.set_length(self._base + len(self._feed) + ran)
-        self._behind = accepted[ran:] + ([leaf] if leaf is not None else [])
+        keep, self._behind = draft_cache_commit(self._feed, self._proposed[:-1] if self._proposed else None, accepted)
+        self.runner.cache.set_length(self._base + keep)
+        if leaf is not None:  # a tree node off the chain: never fed either
+            self._behind.append(leaf)
+
+
+def draft_cache_commit(feed: list[int], fed_drafts: list[int] | None, accepted: list[int]) -> tuple[int, list[int]]:
+    """What a draft model with its own cache keeps after a round (batch 1 and each row of a batch). The round
+    fed it `feed` (the committed tokens it lacked, then the pending one) and, when it drafted, each of its drafts
+    but the last (`fed_drafts`; None when it sat the round out and ran nothing). `accepted`: the tokens the target
+    accepted after the pending one (drafts, then guesses). Returns (entries past the round's base to keep, the
+    committed tokens it now lacks): the entries of accepted tokens it ran stay; the rest (after a full accept
+    the last draft, never fed; accepted guesses) is fed with the next round's pending token."""
+    if fed_drafts is None:  # the target consumed the feed without drafts; the draft's cache never saw it
+        return 0, feed + accepted
+    ran = common_prefix(accepted, fed_drafts)
+    return len(feed) + ran, accepted[ran:]
 
 
 class LayerDraftProposer:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from specedge.runtime.generator import Generator
 from specedge.runtime.model import ModelRunner
-from specedge.runtime.proposers import DraftModelProposer, LayerDraftProposer, Sampler
+from specedge.runtime.proposers import DraftModelProposer, LayerDraftProposer, Sampler, draft_cache_commit
 from specedge.runtime.sampling import SamplingParams
 
 TOL = 1e-5
@@ -93,6 +93,21 @@ def test_draft_cache_follows_the_commits(pair_runtime, prompt, pattern):
         behind = len(proposer._behind)
         assert_cache_is_prefill_of(g.draft, fresh.draft, committed[: len(committed) - 1 - behind])
         assert committed[len(committed) - 1 - behind:-1] == proposer._behind
+        if len(proposal):  # it owes only what it never ran: a fully accepted chain's last draft
+            assert behind == (n == len(proposal)), (len(proposal), n, proposer._behind)
+
+
+@pytest.mark.parametrize("feed, fed_drafts, accepted, keep, behind", [
+    ([7], [1, 2, 3], [1, 2], 3, []),  # two of four drafts accepted: both ran
+    ([7], [1, 2, 3], [1, 2, 3, 4], 4, [4]),  # all accepted: the last draft never ran
+    ([5, 6, 7], [1], [1, 2, 9, 9], 4, [2, 9, 9]),  # a catch-up feed; accepted guesses after the chain
+    ([7], [1, 2, 3], [1, 8], 2, [8]),  # the chain was cut (a held-back stop id): a guess where draft 2 was
+    ([7], [1, 2, 3], [], 1, []),  # all rejected: the feed stays
+    ([5, 7], None, [3, 4], 0, [5, 7, 3, 4]),  # no drafts this round: nothing ran, all is owed
+])
+def test_a_draft_model_keeps_the_entries_of_accepted_tokens_it_ran(feed, fed_drafts, accepted, keep, behind):
+    """The one rule for what a draft model with its own cache keeps after a round, at batch 1 and per batch row."""
+    assert draft_cache_commit(feed, fed_drafts, accepted) == (keep, behind)
 
 
 @pytest.fixture(scope="module")
