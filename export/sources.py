@@ -211,11 +211,15 @@ class GGUFSource(Source):
         scaling = self._field(f"{a}.rope.scaling.type", None)
         # llama.cpp's converter stores Llama 3.1+'s rope scaling ("llama3") as a tensor of per-frequency divisors
         freqs = self._tensors.pop("rope_freqs.weight", None)
-        if scaling not in (None, "none", "linear") or (freqs is not None and scaling == "linear"):
+        if scaling not in (None, "none", "linear", "yarn") or (freqs is not None and scaling in ("linear", "yarn")):
             both = " with rope_freqs" if freqs is not None else ""
-            raise ExportError(f"{path}: GGUF rope scaling '{scaling}'{both} is not supported (none, linear, or "
-                              f"rope_freqs alone)")
-        rope = {"rope_type": "linear", "factor": self._field(f"{a}.rope.scaling.factor")} if scaling == "linear" else None
+            raise ExportError(f"{path}: GGUF rope scaling '{scaling}'{both} is not supported (none, linear, yarn, "
+                              f"or rope_freqs alone)")
+        rope = None
+        if scaling == "linear":
+            rope = {"rope_type": "linear", "factor": self._field(f"{a}.rope.scaling.factor")}
+        elif scaling == "yarn":
+            rope = self._yarn_scaling()
         if freqs is not None:
             factors = np.asarray(self._gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float32).ravel()
             rope = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
@@ -238,6 +242,27 @@ class GGUFSource(Source):
             max_position_embeddings=self._field(f"{a}.context_length", 0),
         )
         self._check_types()
+
+    def _yarn_scaling(self) -> dict:
+        """A GGUF's YaRN keys as the transformers rope_scaling they were converted from (llama.cpp's
+        convert_hf_to_gguf.py writes factor, original_max_position_embeddings, and beta_fast, beta_slow and
+        attention_factor when the config has them). Keys with no transformers counterpart are refused unless
+        they hold the value that changes nothing."""
+        a = f"{self.arch}.rope.scaling"
+        unsupported = {"yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0, "attn_factor": 1.0}
+        for key, neutral in unsupported.items():
+            value = self._field(f"{a}.{key}", neutral)
+            if float(value) != neutral:
+                raise ExportError(f"{self.path}: GGUF YaRN rope scaling with {a}.{key} = {value} is not supported "
+                                  f"(only {neutral}, what transformers' YaRN computes)")
+        rope = {"rope_type": "yarn", "factor": float(self._field(f"{a}.factor")),
+                "original_max_position_embeddings": int(self._field(f"{a}.original_context_length"))}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            value = self._field(f"{a}.{key}", None)
+            if value is not None:
+                rope[name] = float(value)
+        return rope
 
     def _field_raw(self, key):
         return self.reader.fields.get(key)

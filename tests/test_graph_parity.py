@@ -114,9 +114,10 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
-def _gguf_of(model, path: str, rope_freqs: np.ndarray | None) -> str:
+def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None = None) -> str:
     """The tiny HF llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows permuted for its
-    interleaved RoPE, Llama 3 scaling as rope_freqs, a minimal gpt2-style tokenizer."""
+    interleaved RoPE, Llama 3 scaling as rope_freqs, YaRN as `yarn` (GGUF key suffix -> value), a minimal
+    gpt2-style tokenizer."""
     import gguf
 
     cfg = model.config
@@ -162,6 +163,13 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None) -> str:
             w.add_tensor(f"blk.{layer}.{names[rest]}.weight", t)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    if yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        for key, value in yarn.items():
+            if key == "original_context_length":
+                w.add_uint32(f"llama.rope.scaling.{key}", value)
+            else:
+                w.add_float32(f"llama.rope.scaling.{key}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -194,6 +202,37 @@ def test_llama3_rope_scaling_from_a_gguf_matches_transformers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", bad, "--out", str(tmp_path / "bad")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "rope_freqs has 3 factors for a head_dim of 16" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("scaling, keys", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},  # Qwen3's long-context setting
+     {"factor": 4.0, "original_context_length": 32}),
+    ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
+      "attention_factor": 1.3},
+     {"factor": 8.0, "original_context_length": 16, "yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0,
+      "yarn_attn_factor": 1.3}),
+])
+def test_yarn_rope_scaling_from_a_gguf_matches_transformers(scaling, keys, tmp_path):
+    """A GGUF with YaRN keys (as llama.cpp's converter writes them: type, factor, original context length, and
+    beta_fast, beta_slow, attention_factor when the config has them) computes transformers' logits for the HF
+    model it was converted from; without the keys the logits are off. A key with no transformers counterpart
+    is one line and exit 2, with nothing written."""
+    model = make_hf_model(str(tmp_path / "m"), "llama", layers=2, rope_scaling=scaling)
+    ids = np.random.default_rng(2).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    ref_logits, ref_k, _ = reference(model, ids)
+    for name, yarn in (("with", keys), ("without", None)):
+        bundle = export_for_parity(_gguf_of(model, str(tmp_path / f"{name}.gguf"), None, yarn), str(tmp_path / name))
+        logits, keys_out, _ = drive(bundle, ids, 3 * CHUNK)
+        if yarn:
+            assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+            assert np.abs(keys_out - ref_k).max() < KV_TOL
+        else:
+            assert np.abs(keys_out - ref_k).max() > 100 * KV_TOL
+    bad = _gguf_of(model, str(tmp_path / "bad.gguf"), None, dict(keys, yarn_ext_factor=0.5))
+    r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", bad, "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "llama.rope.scaling.yarn_ext_factor = 0.5 is not supported" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
 
 
