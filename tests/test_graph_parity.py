@@ -208,9 +208,10 @@ def test_llama3_rope_scaling_from_a_gguf_matches_transformers(tmp_path):
 @pytest.mark.parametrize("scaling, keys", [
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},  # Qwen3's long-context setting
      {"factor": 4.0, "original_context_length": 32}),
-    ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16.0, "beta_slow": 2.0,
+    # head_dim 16: with these the ramp runs from dimension 3 to 5, where the defaults (32, 1) give 2 to 6
+    ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 8.0, "beta_slow": 3.0,
       "attention_factor": 1.3},
-     {"factor": 8.0, "original_context_length": 16, "yarn_beta_fast": 16.0, "yarn_beta_slow": 2.0,
+     {"factor": 8.0, "original_context_length": 4096, "yarn_beta_fast": 8.0, "yarn_beta_slow": 3.0,
       "yarn_attn_factor": 1.3}),
 ])
 def test_yarn_rope_scaling_from_a_gguf_matches_transformers(scaling, keys, tmp_path):
