@@ -77,9 +77,18 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     window = cfg.get("sliding_window")
     if family == "qwen2" or family == "qwen3":
         window = window if cfg.get("use_sliding_window") else None
+    layers = cfg["num_hidden_layers"]
+    if window is None:
+        sliding = None
+    elif cfg.get("layer_types"):  # transformers 5 spells out which layers slide
+        sliding = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention")
+    elif family in ("qwen2", "qwen3"):  # older configs: the layers from max_window_layers on (transformers' rule)
+        sliding = tuple(range(cfg.get("max_window_layers", 28), layers))
+    else:
+        sliding = None  # Mistral: every layer
     return LlamaConfig(
         family=family,
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=layers,
         hidden_size=cfg["hidden_size"],
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -94,6 +103,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         qk_norm=family == "qwen3",
         max_position_embeddings=cfg.get("max_position_embeddings", 0),
         sliding_window=window,
+        sliding_layers=sliding,
     )
 
 

@@ -68,8 +68,12 @@ class LlamaConfig:
     attention_bias: bool = False  # q/k/v projection bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     max_position_embeddings: int = 0
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
+    sliding_layers: tuple[int, ...] | None = None  # the layers that slide (None: all, with sliding_window set)
     extra: dict = field(default_factory=dict, compare=False)
+
+    def slides(self, layer: int) -> bool:
+        return self.sliding_window is not None and (self.sliding_layers is None or layer in self.sliding_layers)
 
     def dims(self, context: int, batch: int, dtype: str, num_layers: int | None = None) -> C.ModelDims:
         return C.ModelDims(
@@ -84,10 +88,8 @@ class LlamaConfig:
             raise UnsupportedModel(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise UnsupportedModel(f"head_dim {self.head_dim} is odd; RoPE needs an even head_dim")
-        if self.sliding_window is not None and self.sliding_window < context:
-            raise UnsupportedModel(
-                f"sliding_window {self.sliding_window} is smaller than --context {context}; sliding-window "
-                f"attention is not supported (export with --context <= {self.sliding_window})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModel(f"sliding_window {self.sliding_window} must be at least 1")
         rope_inv_freq(self, context)  # raises on unsupported rope scaling
         scaling = dict(self.rope_scaling or {})
         stretch = scaling.get("factor", 1.0) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
@@ -495,10 +497,28 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         at_slots = g.op("Expand", g.op("Add", length, g.const(np.arange(T, dtype=np.int64).reshape(1, 1, T))),
                         g.ints(B, T, T))
         slot_mask = g.op("ScatterElements", slot_mask, at_slots, g.op("Where", seen, zero, minus), axis=2)
-    mask = g.op("Concat", slot_mask, g.const(np.zeros((B, T, 1), dtype=dt)), axis=-1)  # [B, T, S+1]
-    if rep > 1:
-        mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
-    mask = g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
+
+    def attention_mask(slot_mask):  # [B, T, S] -> [B, 1, T*rep, S+1]: the own column always visible
+        mask = g.op("Concat", slot_mask, g.const(np.zeros((B, T, 1), dtype=dt)), axis=-1)  # [B, T, S+1]
+        if rep > 1:
+            mask = g.op("Expand", g.op("Unsqueeze", mask, g.ints(2)), g.ints(B, T, rep, S + 1))
+        return g.op("Reshape", mask, g.ints(B, 1, T * rep, S + 1))
+
+    masks = {False: attention_mask(slot_mask)}  # slides -> mask
+    # Sliding-window layers (Mistral, Qwen2/3 with use_sliding_window): a query at position p also hides the slots
+    # at p - window and before, and a tree's step tokens an ancestor that far up (positions are depths there).
+    # Positions below the bucket never reach back a whole window when window >= S: those buckets need nothing.
+    window = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < S else None
+    if window is not None and any(cfg.slides(i) for i in range(dims.num_layers)):
+        positions = g.op("Unsqueeze", position_ids, g.ints(2))  # [B, T, 1]
+        far = g.op("Not", g.op("Greater", slots, g.op("Sub", positions, g.const(np.int64(window)))))  # [B, T, S]
+        windowed = g.op("Where", far, minus, slot_mask)
+        if scattered:  # the step's own tokens sit at slots cache_len + j, whatever their positions
+            apart = g.op("Sub", positions, g.op("Reshape", position_ids, g.ints(B, 1, T)))  # [B, T, T]: p_i - p_j
+            near = g.op("Less", apart, g.const(np.int64(window)))
+            windowed = g.op("ScatterElements", windowed, at_slots, g.op("Where", g.op("And", seen, near), zero, minus),
+                            axis=2)
+        masks[True] = attention_mask(windowed)
     # A T > 1 step puts its values at their slots with ScatterND (whole D-rows: the same copy of the past as
     # ScatterElements, 4x faster at T=64 in isolation). A wide step (prefill) does the same with its keys and
     # scores every slot in one product, the same dot products: scattering T*rep scores per slot into the
@@ -579,6 +599,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             scores_own = g.op("GatherElements", scores_step, own_col, axis=3)  # [B, Hkv, T*rep, 1]
             values = (g.op("ScatterND", past_v, step_slots, new_v) if slot_scatter
                       else g.op("ScatterElements", past_v, step_rows, new_v, axis=2))  # [B, Hkv, S, D]
+        mask = masks[window is not None and cfg.slides(i)]
         scores = g.op("Add", g.op("Concat", scores_slots, scores_own, axis=-1), mask)  # [B, Hkv, T*rep, S+1]
         probs_slots, probs_own = g.op("Split", g.op("Softmax", scores, axis=-1), g.ints(S, 1), axis=-1, outputs=2)
         if not multi:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below

@@ -36,7 +36,7 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
 
 def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers: int = 3, hidden: int = 64,
                   heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False, rope_scaling=None,
-                  logit_scale: float = 1.0):
+                  logit_scale: float = 1.0, sliding_window: int | None = None, max_window_layers: int | None = None):
     """Build, randomize (norms and biases too, so mistakes show) and save a tiny model; return it."""
     import torch
     import transformers as tf
@@ -50,7 +50,9 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
     if family == "qwen3":
         kwargs["head_dim"] = hidden // heads
     if family == "mistral":
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = sliding_window
+    elif sliding_window is not None:  # Qwen2/3: the layers from max_window_layers on slide
+        kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=max_window_layers)
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
     torch.manual_seed(seed)

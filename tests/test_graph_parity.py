@@ -237,6 +237,32 @@ def test_yarn_rope_scaling_from_a_gguf_matches_transformers(scaling, keys, tmp_p
     assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("family, window_layers", [("mistral", None), ("qwen2", 1), ("qwen3", 2)])
+def test_sliding_window_attention_matches_transformers(family, window_layers, tmp_path):
+    """A query sees the last `sliding_window` positions only (itself included) in the layers that slide: all of
+    Mistral's, Qwen2/3's from max_window_layers on. A window of 4, shorter than the prefill chunks and the T=5
+    step: logits equal transformers' over a sequence many windows long, and so do the K/V entries transformers
+    keeps (a sliding layer's cache holds its last window - 1 only; ours keeps every entry and masks)."""
+    model = make_hf_model(str(tmp_path / "m"), family, layers=3, sliding_window=4, max_window_layers=window_layers)
+    full = make_hf_model(str(tmp_path / "full"), family, layers=3)  # the same weights (same seed), no window
+    ids = np.random.default_rng(4).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    ref_logits = out.logits[0].numpy()
+    assert np.abs(reference(full, ids)[0] - ref_logits).max() > 100 * LOGIT_TOL  # the window matters here
+    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
+    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+    kept = []
+    for i, layer in enumerate(out.past_key_values.layers):
+        ref_k, ref_v = layer.keys[0].numpy(), layer.values[0].numpy()  # [Hkv, n, D], the last n positions
+        n = ref_k.shape[1]
+        kept.append(n)
+        assert np.abs(keys[i][:, -n:] - ref_k).max() < KV_TOL
+        assert np.abs(values[i][:, -n:] - ref_v).max() < KV_TOL
+    assert min(kept) < len(ids)  # some layer slides
+
+
 def test_default_prefill_graph_fills_the_same_cache(tiny_models, tiny_bundle):
     """The default prefill graph has no logits; its K/V still equal transformers' cache."""
     _, model = tiny_models["llama"]
@@ -295,6 +321,35 @@ def test_step_mask_causal_equals_no_mask(tiny_models, tmp_path):
         straight = sess.run([C.LOGITS], feeds3)[0]
         assert np.abs(branched[0, row] - straight[0, 2]).max() < LOGIT_TOL
     assert np.abs(chain[0, :2] - branched[0, :2]).max() < LOGIT_TOL
+
+
+def test_a_tree_nodes_sliding_window_counts_depths(tmp_path):
+    """With sliding-window attention a tree node sees the ancestors less than a window above it in depth (its
+    position), whatever slots the step put them in: a side branch root -> 7 -> 8 -> 9 at slots 0, 2, 3, 4 with a
+    window of 2 gives each node the logits of its path run as a chain."""
+    import onnxruntime as ort
+
+    hf = str(tmp_path / "m")
+    make_hf_model(hf, "mistral", layers=2, sliding_window=2)
+    out = str(tmp_path / "b")
+    export_bundle(hf, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), step_mask=True), progress=False)
+    entry = load_manifest(out).target
+    sess = ort.InferenceSession(f"{out}/{entry.graph(C.STEP, 5).file}", providers=["CPUExecutionProvider"])
+    feeds = {C.CACHE_LEN: np.array([0])}
+    for i in range(entry.dims.num_layers):
+        feeds[C.past_key(i)] = np.zeros(entry.dims.cache_shape, np.float32)
+        feeds[C.past_value(i)] = np.zeros(entry.dims.cache_shape, np.float32)
+    # root 5; 6 and 7 its children (depth 1); 8 under 7 (depth 2), 9 under 8 (depth 3)
+    tree = np.zeros((1, 5, 5), bool)
+    for i, ancestors in enumerate([[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 3, 4]]):
+        tree[0, i, ancestors] = True
+    branched = sess.run([C.LOGITS], {**feeds, C.INPUT_IDS: np.array([[5, 6, 7, 8, 9]]),
+                                     C.POSITION_IDS: np.array([[0, 1, 1, 2, 3]]), C.STEP_MASK: tree})[0]
+    causal = np.tril(np.ones((1, 5, 5), bool))
+    straight = sess.run([C.LOGITS], {**feeds, C.INPUT_IDS: np.array([[5, 7, 8, 9, 0]]),
+                                     C.POSITION_IDS: np.arange(5)[None], C.STEP_MASK: causal})[0]
+    for row, depth in ((2, 1), (3, 2), (4, 3)):
+        assert np.abs(branched[0, row] - straight[0, depth]).max() < LOGIT_TOL, row
 
 
 def test_spine_and_leaf_rows_of_a_tree_step_equal_decode_bitwise(tiny_models, tmp_path):

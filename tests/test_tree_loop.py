@@ -3,6 +3,7 @@ plain decode token for token; an accepted node off the first chain lands in the 
 import numpy as np
 import pytest
 from conftest import CHUNK
+from models import make_hf_model
 
 from specedge.errors import GenerationError
 from specedge.export.bundle import ExportOptions, export_bundle
@@ -177,6 +178,49 @@ def test_an_accepted_leaf_is_committed_at_its_depth(tree_gens, wrong):
     n = len(committed)
     for got, want in zip(keys, g.target.cache.keys):
         np.testing.assert_array_equal(got[:, :, :n], want[:, :, :n])
+
+
+@pytest.fixture(scope="module")
+def window_gen(tmp_path_factory):
+    """A tiny Mistral whose attention slides over 4 positions, fewer than a tree's depth or a chain's length; a
+    layer draft and tree graphs 8 and 16."""
+    root = tmp_path_factory.mktemp("window")
+    make_hf_model(str(root / "hf"), "mistral", sliding_window=4)
+    export_bundle(str(root / "hf"), str(root / "b"), ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
+                                                                   tree_sizes=(8, 16)), progress=False)
+    g = Generator.load(str(root / "b"))
+    yield g
+    g.close()
+
+
+def test_sliding_window_speculation_equals_plain_decode(window_gen):
+    """Chains and trees on sliding-window attention (test_graph_parity checks plain decode against
+    transformers): a tree node's window counts positions, its depth, not the slot its row sits in, so each
+    verify row computes what decode computes at that position: the output is plain decode's, token for token,
+    with drafts and tree nodes off the chain accepted and rejected, and a leaf forced at depth 5 accepted."""
+    g = window_gen
+    totals = np.zeros(4, int)
+    for seed in range(4):
+        prompt = (prompt_of if seed % 2 else few_symbols)(3 * CHUNK + 5, seed=seed)
+        plain = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+        for proposer in ("ngram", "draft"):
+            assert g.generate(prompt, NEW, proposer=proposer, gamma=8, stop_ids=[], adaptive=False).tokens == plain
+            for tree, gamma in TREES:
+                out = g.generate(prompt, NEW, proposer=proposer, gamma=gamma, tree=tree, stop_ids=[], adaptive=False)
+                assert out.tokens == plain, (proposer, tree, seed)
+                totals += [out.stats.tree_rounds, out.stats.off_chain_accepted, out.stats.accepted,
+                           out.stats.proposed - out.stats.accepted]
+    rounds, off_chain, accepted, rejected = totals
+    assert rounds > 0 and off_chain > 0 and accepted > 0 and rejected > 0, totals
+    prompt = prompt_of(21, seed=9)
+    reference = g.generate(prompt, NEW, proposer="none", stop_ids=[]).tokens
+    script = TreeScript(len(prompt), reference, 5, g.target.dims.vocab_size)
+    g._proposer = lambda name, ngram, adaptive=True: script
+    try:
+        out = g.generate(prompt, NEW, proposer="ngram", gamma=8, tree=16, stop_ids=[], adaptive=False)
+    finally:
+        del g._proposer
+    assert out.tokens == reference and script.rounds > 0 and out.stats.off_chain_accepted == script.rounds
 
 
 def test_tree_options_are_checked(tree_gens, tiny_bundle):
