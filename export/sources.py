@@ -233,6 +233,10 @@ class GGUFSource(Source):
         if freqs is not None:
             factors = np.asarray(self._gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float32).ravel()
             rope = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
+        window = self._field(f"{a}.attention.sliding_window", None)
+        if window is not None and a != "llama":  # which of a Qwen's layers slide is not in the file
+            raise ExportError(f"{path}: GGUF {a}.attention.sliding_window is not supported for {a} (llama only, "
+                              f"where every layer slides)")
         vocab = self._field(f"{a}.vocab_size", None) or len(self._field_raw("tokenizer.ggml.tokens").data)
         self.config = LlamaConfig(
             family=a,
@@ -250,6 +254,7 @@ class GGUFSource(Source):
             attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
             qk_norm=a == "qwen3",
             max_position_embeddings=self._field(f"{a}.context_length", 0),
+            sliding_window=None if window is None else int(window),
         )
         self._check_types()
 

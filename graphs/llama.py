@@ -1,7 +1,7 @@
 """The Llama-family decoder step as a static ONNX graph.
 
-One definition covers LlamaForCausalLM (SmolLM2, TinyLlama, Llama 2/3), MistralForCausalLM (no sliding
-window), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm): RMSNorm, RoPE read from
+One definition covers LlamaForCausalLM (SmolLM2, TinyLlama, Llama 2/3), MistralForCausalLM (sliding-window
+attention as a mask), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm): RMSNorm, RoPE read from
 tables by position, grouped-query attention over the masked past plus the step's own tokens, SwiGLU MLP,
 tied or untied LM head.
 

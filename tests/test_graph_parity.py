@@ -114,7 +114,8 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.asarray(factors, np.float32)
 
 
-def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None = None) -> str:
+def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None = None,
+             sliding_window: int | None = None) -> str:
     """The tiny HF llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows permuted for its
     interleaved RoPE, Llama 3 scaling as rope_freqs, YaRN as `yarn` (GGUF key suffix -> value), a minimal
     gpt2-style tokenizer."""
@@ -163,6 +164,8 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
             w.add_tensor(f"blk.{layer}.{names[rest]}.weight", t)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
     if yarn:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         for key, value in yarn.items():
@@ -321,6 +324,19 @@ def test_step_mask_causal_equals_no_mask(tiny_models, tmp_path):
         straight = sess.run([C.LOGITS], feeds3)[0]
         assert np.abs(branched[0, row] - straight[0, 2]).max() < LOGIT_TOL
     assert np.abs(chain[0, :2] - branched[0, :2]).max() < LOGIT_TOL
+
+
+def test_a_sliding_window_from_a_gguf_matches_transformers(tmp_path):
+    """A Mistral converted to GGUF with its window (llama.attention.sliding_window): transformers' logits."""
+    model = make_hf_model(str(tmp_path / "m"), "mistral", layers=2, sliding_window=4)
+    ids = np.random.default_rng(5).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        ref_logits = model(torch.tensor([ids])).logits[0].numpy()
+    for name, window in (("with", 4), ("without", None)):
+        bundle = export_for_parity(_gguf_of(model, str(tmp_path / f"{name}.gguf"), None, sliding_window=window),
+                                   str(tmp_path / name))
+        logits = drive(bundle, ids, 3 * CHUNK)[0]
+        assert (np.abs(logits - ref_logits).max() < LOGIT_TOL) == (window is not None), name
 
 
 def test_a_tree_nodes_sliding_window_counts_depths(tmp_path):
