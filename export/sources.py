@@ -59,6 +59,7 @@ def open_source(path: str) -> Source:
 
 
 # -- HF directory -------------------------------------------------------------------------------------
+_PHI3_PARTS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
@@ -70,6 +71,10 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     heads = cfg["num_attention_heads"]
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # "su": Phi-3's first name for it
+        rope["rope_type"] = "longrope"
+        rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     if cfg.get("hidden_act", "silu") != "silu":
         raise ExportError(f"hidden_act {cfg.get('hidden_act')} is not supported (SwiGLU with silu only)")
     if cfg.get("mlp_bias"):
@@ -104,6 +109,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 0),
         sliding_window=window,
         sliding_layers=sliding,
+        partial_rotary_factor=partial,
     )
 
 
@@ -139,12 +145,29 @@ class HFSource(Source):
         if hf_name not in self._index:
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 return self.tensor("model.embed_tokens.weight")
+            if self.config.family == "phi3" and hf_name.endswith(_PHI3_PARTS):
+                return self._phi3_part(hf_name)
             raise ExportError(f"{self.path}: tensor {hf_name} is missing from the safetensors files")
         file, dtype, shape, offset, length = self._index[hf_name]
         raw = np.fromfile(file, dtype=np.uint8, count=length, offset=offset)
         if dtype == "BF16":  # bfloat16 is the top half of a float32
             return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return raw.view(_SAFETENSORS_DTYPES[dtype]).astype(np.float32).reshape(shape)
+
+    def _phi3_part(self, hf_name: str) -> np.ndarray:
+        """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in that order); the graph
+        fuses them itself, from the Llama names."""
+        prefix, part, _ = hf_name.rsplit(".", 2)
+        c = self.config
+        if part in ("q_proj", "k_proj", "v_proj"):
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
+            fused = self.tensor(f"{prefix}.qkv_proj.weight")
+        else:
+            n = c.intermediate_size
+            rows = (0, n) if part == "gate_proj" else (n, 2 * n)
+            fused = self.tensor(f"{prefix}.gate_up_proj.weight")
+        return np.ascontiguousarray(fused[rows[0]:rows[1]])
 
     def tokenizer(self) -> TokenizerInfo:
         files = {}

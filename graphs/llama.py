@@ -37,8 +37,9 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # fused qkv_proj and gate_up_proj (split by the source), partial rotary
 }
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "freq_factors")  # freq_factors: a GGUF's rope_freqs
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "freq_factors")  # freq_factors: a GGUF's rope_freqs
 
 
 # Node labels (GraphBuilder.op): the residual stream's adds and the RMSNorm statistics. SmolLM2's residual stream
@@ -53,7 +54,7 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    family: str  # llama | mistral | qwen2 | qwen3
+    family: str  # llama | mistral | qwen2 | qwen3 | phi3
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -70,7 +71,12 @@ class LlamaConfig:
     max_position_embeddings: int = 0
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
     sliding_layers: tuple[int, ...] | None = None  # the layers that slide (None: all, with sliding_window set)
+    partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim dimensions of each head (Phi-4-mini: 0.75)
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # as transformers rounds it
 
     def slides(self, layer: int) -> bool:
         return self.sliding_window is not None and (self.sliding_layers is None or layer in self.sliding_layers)
@@ -86,8 +92,9 @@ class LlamaConfig:
         """Refuse what the graph cannot express exactly, with a message naming the reason."""
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModel(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise UnsupportedModel(f"head_dim {self.head_dim} is odd; RoPE needs an even head_dim")
+        if self.head_dim % 2 or self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise UnsupportedModel(f"head_dim {self.head_dim} with partial_rotary_factor {self.partial_rotary_factor}: "
+                                   f"RoPE needs an even number of rotated dimensions, at most head_dim")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedModel(f"sliding_window {self.sliding_window} must be at least 1")
         rope_inv_freq(self, context)  # raises on unsupported rope scaling
@@ -101,8 +108,8 @@ class LlamaConfig:
 
 
 def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [D/2] (float32, as transformers computes them) and the cos/sin scale."""
-    d = cfg.head_dim
+    """Inverse frequencies [rotary_dim/2] (float32, as transformers computes them) and the cos/sin scale."""
+    d = cfg.rotary_dim
     inv = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
     scaling = dict(cfg.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -129,6 +136,8 @@ def rope_inv_freq(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, float]:
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if kind == "yarn":
         return _yarn(cfg, scaling, d)
+    if kind == "longrope":
+        return _longrope(cfg, scaling, d, context)
     if kind == "freq_factors":
         # llama.cpp's rope_freqs: each frequency divided by its factor (how its converter stores "llama3" scaling)
         factors = np.asarray(scaling["factors"], np.float32)
@@ -172,6 +181,28 @@ def _yarn(cfg: LlamaConfig, scaling: dict, d: int) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), float(attention)
 
 
+def _longrope(cfg: LlamaConfig, scaling: dict, d: int, context: int) -> tuple[np.ndarray, float]:
+    """LongRoPE (Phi-3's 128k models) as transformers applies it: per-frequency factors, the short ones while the
+    sequence stays within original_max_position_embeddings, the long ones past it for the whole sequence (keys
+    already cached keep their old rotation). A static graph can only be the first: --context <= original. The
+    cos/sin scale is sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original."""
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise UnsupportedModel("rope_scaling 'longrope' without original_max_position_embeddings")
+    if context > original:
+        raise UnsupportedModel(f"rope_scaling 'longrope' switches to its long factors past {original} positions; "
+                               f"export with --context <= {original}")
+    short = np.asarray(scaling["short_factor"], np.float32)
+    if short.shape != (d // 2,):
+        raise UnsupportedModel(f"longrope has {short.size} short factors for {d} rotated dimensions")
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    powers = np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
+    return (1.0 / (short * powers)).astype(np.float32), float(attention)
+
+
 def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and signed sin tables [context, D], one row per position.
 
@@ -182,10 +213,14 @@ def rope_tables(cfg: LlamaConfig, context: int) -> tuple[np.ndarray, np.ndarray]
     inv, scale = rope_inv_freq(cfg, context)
     angles = np.arange(context, dtype=np.float32)[:, None] * inv[None, :]  # float32 products, as in torch
     angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
-    half = cfg.head_dim // 2
+    half = cfg.rotary_dim // 2
     sign = np.concatenate([-np.ones(half), np.ones(half)])
     cos = (np.cos(angles) * scale).astype(np.float32)
     sin = (np.sin(angles) * scale * sign).astype(np.float32)
+    passed = cfg.head_dim - cfg.rotary_dim  # partial rotary: the last dimensions pass unturned (cos 1, sin 0)
+    if passed:
+        cos = np.concatenate([cos, np.ones((context, passed), np.float32)], axis=1)
+        sin = np.concatenate([sin, np.zeros((context, passed), np.float32)], axis=1)
     return cos, sin
 
 
@@ -549,7 +584,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     # each output sums two nonzero products, the same way at every T (`specedge check` verifies the rows).
     cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))  # [B, T, 1, D]
     sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin"), position_ids, axis=0), g.ints(2))
-    half = D // 2
+    half = cfg.rotary_dim // 2  # partial rotary: rotate_half pairs within the rotated dimensions only
     swap = np.zeros((D, D), dtype=dt)
     swap[np.arange(half) + half, np.arange(half)] = 1
     swap[np.arange(half), np.arange(half) + half] = 1

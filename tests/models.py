@@ -36,25 +36,28 @@ def write_word_tokenizer(path: str, vocab_size: int) -> None:
 
 def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers: int = 3, hidden: int = 64,
                   heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False, rope_scaling=None,
-                  logit_scale: float = 1.0, sliding_window: int | None = None, max_window_layers: int | None = None):
+                  logit_scale: float = 1.0, sliding_window: int | None = None, max_window_layers: int | None = None,
+                  **config):
     """Build, randomize (norms and biases too, so mistakes show) and save a tiny model; return it."""
     import torch
     import transformers as tf
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
     config_cls, model_cls = (getattr(tf, n) for n in classes[family])
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=1, pad_token_id=0)
     if family == "qwen3":
         kwargs["head_dim"] = hidden // heads
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         kwargs["sliding_window"] = sliding_window
     elif sliding_window is not None:  # Qwen2/3: the layers from max_window_layers on slide
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=max_window_layers)
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
+    kwargs.update(config)  # any other config field (Phi-3: partial_rotary_factor, original_max_position_embeddings)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
     with torch.no_grad():

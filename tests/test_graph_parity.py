@@ -266,6 +266,45 @@ def test_sliding_window_attention_matches_transformers(family, window_layers, tm
     assert min(kept) < len(ids)  # some layer slides
 
 
+PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                 "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("config", [
+    {},  # Phi-3-mini-4k's kind: fused qkv_proj and gate_up_proj, plain RoPE, untied head
+    {"partial_rotary_factor": 0.75, "sliding_window": 6},  # Phi-4-mini turns 3/4 of each head; Phi-3's window
+    # the 128k kind: cos and sin scaled by sqrt(1 + ln 32 / ln 128) too
+    {"partial_rotary_factor": 0.75, "rope_scaling": PHI3_LONGROPE, "max_position_embeddings": 4096,
+     "original_max_position_embeddings": 128},
+])
+def test_phi3_matches_transformers(config, tmp_path):
+    """Phi3ForCausalLM (the source splits its fused projections into the Llama names; RoPE may turn only the
+    first rotary_dim dimensions, LongRoPE scales them by its short factors within the original context): logits
+    and K/V equal transformers'. A window, where given, is shorter than the prefill chunks."""
+    model = make_hf_model(str(tmp_path / "m"), "phi3", layers=2, **config)
+    ids = np.random.default_rng(6).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
+    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
+    assert np.abs(logits - out.logits[0].numpy()).max() < LOGIT_TOL
+    for i, layer in enumerate(out.past_key_values.layers):  # a sliding layer keeps its last window - 1 entries
+        n = layer.keys.shape[2]
+        assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
+        assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+
+
+def test_longrope_past_its_original_context_is_refused(tmp_path):
+    """LongRoPE switches to its long factors once a sequence passes the original context, re-rotating every
+    position: no static graph computes that. One line, exit 2, nothing written."""
+    make_hf_model(str(tmp_path / "m"), "phi3", layers=1, partial_rotary_factor=0.75, rope_scaling=PHI3_LONGROPE,
+                  max_position_embeddings=4096, original_max_position_embeddings=128)
+    r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", str(tmp_path / "m"), "--out",
+                        str(tmp_path / "b"), "--context", "256"], capture_output=True, text=True)
+    assert r.returncode == 2 and "switches to its long factors past 128 positions" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
+
+
 def test_default_prefill_graph_fills_the_same_cache(tiny_models, tiny_bundle):
     """The default prefill graph has no logits; its K/V still equal transformers' cache."""
     _, model = tiny_models["llama"]
