@@ -10,6 +10,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -59,7 +60,27 @@ def open_source(path: str) -> Source:
 
 
 # -- HF directory -------------------------------------------------------------------------------------
-_PHI3_PARTS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+_PHI3_PARTS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # what Phi-3 fuses (phi3_part)
+
+
+def is_phi3_part(hf_name: str, c: LlamaConfig) -> bool:
+    parts = hf_name.rsplit(".", 2)  # [prefix, part, "weight"]
+    return c.family == "phi3" and len(parts) == 3 and parts[1] in _PHI3_PARTS
+
+
+def phi3_part(hf_name: str, c: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> np.ndarray:
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in that order; a GGUF keeps them
+    so, as attn_qkv and ffn_up); the graph fuses them itself, from the Llama names."""
+    prefix, part, _ = hf_name.rsplit(".", 2)
+    if part in ("q_proj", "k_proj", "v_proj"):
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
+        fused = tensor(f"{prefix}.qkv_proj.weight")
+    else:
+        n = c.intermediate_size
+        rows = (0, n) if part == "gate_proj" else (n, 2 * n)
+        fused = tensor(f"{prefix}.gate_up_proj.weight")
+    return np.ascontiguousarray(fused[rows[0]:rows[1]])
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
@@ -145,29 +166,14 @@ class HFSource(Source):
         if hf_name not in self._index:
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 return self.tensor("model.embed_tokens.weight")
-            if self.config.family == "phi3" and hf_name.endswith(_PHI3_PARTS):
-                return self._phi3_part(hf_name)
+            if is_phi3_part(hf_name, self.config):
+                return phi3_part(hf_name, self.config, self.tensor)
             raise ExportError(f"{self.path}: tensor {hf_name} is missing from the safetensors files")
         file, dtype, shape, offset, length = self._index[hf_name]
         raw = np.fromfile(file, dtype=np.uint8, count=length, offset=offset)
         if dtype == "BF16":  # bfloat16 is the top half of a float32
             return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
         return raw.view(_SAFETENSORS_DTYPES[dtype]).astype(np.float32).reshape(shape)
-
-    def _phi3_part(self, hf_name: str) -> np.ndarray:
-        """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in that order); the graph
-        fuses them itself, from the Llama names."""
-        prefix, part, _ = hf_name.rsplit(".", 2)
-        c = self.config
-        if part in ("q_proj", "k_proj", "v_proj"):
-            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-            rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
-            fused = self.tensor(f"{prefix}.qkv_proj.weight")
-        else:
-            n = c.intermediate_size
-            rows = (0, n) if part == "gate_proj" else (n, 2 * n)
-            fused = self.tensor(f"{prefix}.gate_up_proj.weight")
-        return np.ascontiguousarray(fused[rows[0]:rows[1]])
 
     def tokenizer(self) -> TokenizerInfo:
         files = {}
@@ -207,7 +213,7 @@ class HFSource(Source):
 
 # -- GGUF file ----------------------------------------------------------------------------------------
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -217,6 +223,7 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3 (its ffn_up is gate_up_proj: GGUFSource)
 }
 
 
@@ -238,7 +245,10 @@ class GGUFSource(Source):
         a = self.arch
         self._tensors = {}
         for t in self.reader.tensors:
-            self._tensors[self._hf_name(t.name)] = t
+            name = self._hf_name(t.name)
+            if a == "phi3" and name.endswith(".mlp.up_proj.weight"):  # Phi-3's ffn_up holds gate, then up
+                name = name.replace(".up_proj.", ".gate_up_proj.")
+            self._tensors[name] = t
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
         scaling = self._field(f"{a}.rope.scaling.type", None)
@@ -254,12 +264,19 @@ class GGUFSource(Source):
         elif scaling == "yarn":
             rope = self._yarn_scaling()
         if freqs is not None:
-            factors = np.asarray(self._gguf.quants.dequantize(freqs.data, freqs.tensor_type), np.float32).ravel()
-            rope = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
-        window = self._field(f"{a}.attention.sliding_window", None)
-        if window is not None and a != "llama":  # which of a Qwen's layers slide is not in the file
-            raise ExportError(f"{path}: GGUF {a}.attention.sliding_window is not supported for {a} (llama only, "
-                              f"where every layer slides)")
+            rope = {"rope_type": "freq_factors", "factors": self._factors(freqs)}
+        longrope = [self._tensors.pop(f"rope_factors_{kind}.weight", None) for kind in ("short", "long")]
+        if all(f is not None for f in longrope):  # llama.cpp's converter stores Phi-3's LongRoPE so
+            rope = {"rope_type": "longrope", "short_factor": self._factors(longrope[0]),
+                    "long_factor": self._factors(longrope[1]),
+                    "original_max_position_embeddings": int(self._field(f"{a}.rope.scaling.original_context_length")),
+                    "attention_factor": float(self._field(f"{a}.rope.scaling.attn_factor", 1.0))}
+        window = self._field(f"{a}.attention.sliding_window", None) or None  # phi3 writes 0 for none
+        if window is not None and a not in ("llama", "phi3"):  # which of a Qwen's layers slide is not in the file
+            raise ExportError(f"{path}: GGUF {a}.attention.sliding_window is not supported for {a} (llama and "
+                              f"phi3 only, where every layer slides)")
+        head_dim = self._field(f"{a}.attention.key_length", None) or hidden // heads
+        rotary = self._field(f"{a}.rope.dimension_count", None) if a == "phi3" else None
         vocab = self._field(f"{a}.vocab_size", None) or len(self._field_raw("tokenizer.ggml.tokens").data)
         self.config = LlamaConfig(
             family=a,
@@ -267,7 +284,7 @@ class GGUFSource(Source):
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
-            head_dim=self._field(f"{a}.attention.key_length", None) or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=self._field(f"{a}.feed_forward_length"),
             vocab_size=vocab,
             rms_norm_eps=float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
@@ -278,8 +295,12 @@ class GGUFSource(Source):
             qk_norm=a == "qwen3",
             max_position_embeddings=self._field(f"{a}.context_length", 0),
             sliding_window=None if window is None else int(window),
+            partial_rotary_factor=1.0 if not rotary else int(rotary) / head_dim,
         )
         self._check_types()
+
+    def _factors(self, t) -> list[float]:
+        return [float(f) for f in np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), np.float32).ravel()]
 
     def _yarn_scaling(self) -> dict:
         """A GGUF's YaRN keys as the transformers rope_scaling they were converted from (llama.cpp's
@@ -355,6 +376,8 @@ class GGUFSource(Source):
         return rows
 
     def tensor(self, hf_name: str) -> np.ndarray:
+        if is_phi3_part(hf_name, self.config):
+            return phi3_part(hf_name, self.config, self.tensor)
         t = self._gguf_tensor(hf_name)
         w = self._gguf.quants.dequantize(t.data, t.tensor_type)
         return self._unpermute(hf_name, np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
@@ -364,7 +387,9 @@ class GGUFSource(Source):
         of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
         input dimension: exactly the ONNX layout, ints and scales copied bit for bit. Q4_1 (f16 d, f16 m, the
         nibbles as Q4_0's; value d * nibble + m) is the offset layout: ints nibble - 8 and scale d copied,
-        offset m + 8d (one float32 rounding at most)."""
+        offset m + 8d (one float32 rounding at most). Not for Phi-3's fused tensors (their parts are requantized)."""
+        if is_phi3_part(hf_name, self.config):
+            return None
         t = self._gguf_tensor(hf_name)
         kind = t.tensor_type.name
         if kind not in ("Q8_0", "Q4_0", "Q4_1") or len(t.shape) != 2:

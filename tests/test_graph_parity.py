@@ -115,10 +115,11 @@ def _llama3_rope_factors(config) -> np.ndarray:
 
 
 def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None = None,
-             sliding_window: int | None = None) -> str:
+             sliding_window: int | None = None, arch: str = "llama", extra=None) -> str:
     """The tiny HF llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows permuted for its
     interleaved RoPE, Llama 3 scaling as rope_freqs, YaRN as `yarn` (GGUF key suffix -> value), a minimal
-    gpt2-style tokenizer."""
+    gpt2-style tokenizer. `arch` "phi3": fused qkv_proj and gate_up_proj kept as attn_qkv and ffn_up, and
+    `extra(writer)` adds what else the architecture's converter writes."""
     import gguf
 
     cfg = model.config
@@ -129,8 +130,9 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
 
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    w = gguf.GGUFWriter(path, "llama")
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -170,9 +172,11 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         for key, value in yarn.items():
             if key == "original_context_length":
-                w.add_uint32(f"llama.rope.scaling.{key}", value)
+                w.add_uint32(f"{arch}.rope.scaling.{key}", value)
             else:
-                w.add_float32(f"llama.rope.scaling.{key}", value)
+                w.add_float32(f"{arch}.rope.scaling.{key}", value)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -270,13 +274,16 @@ PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2
                  "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 128}
 
 
-@pytest.mark.parametrize("config", [
+PHI3_CASES = [
     {},  # Phi-3-mini-4k's kind: fused qkv_proj and gate_up_proj, plain RoPE, untied head
     {"partial_rotary_factor": 0.75, "sliding_window": 6},  # Phi-4-mini turns 3/4 of each head; Phi-3's window
     # the 128k kind: cos and sin scaled by sqrt(1 + ln 32 / ln 128) too
     {"partial_rotary_factor": 0.75, "rope_scaling": PHI3_LONGROPE, "max_position_embeddings": 4096,
      "original_max_position_embeddings": 128},
-])
+]
+
+
+@pytest.mark.parametrize("config", PHI3_CASES)
 def test_phi3_matches_transformers(config, tmp_path):
     """Phi3ForCausalLM (the source splits its fused projections into the Llama names; RoPE may turn only the
     first rotary_dim dimensions, LongRoPE scales them by its short factors within the original context): logits
@@ -292,6 +299,36 @@ def test_phi3_matches_transformers(config, tmp_path):
         n = layer.keys.shape[2]
         assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
         assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+
+
+@pytest.mark.parametrize("config", PHI3_CASES)
+def test_phi3_from_a_gguf_matches_transformers(config, tmp_path):
+    """A Phi-3 GGUF as llama.cpp's converter (Phi3MiniModel) writes one, from its description: attn_qkv and ffn_up
+    fused, no q/k permutation, rope.dimension_count for partial rotary, a sliding window of 0 for none, and
+    LongRoPE as rope_factors_short/long tensors with rope.scaling.attn_factor and the original context length."""
+    import math
+
+    model = make_hf_model(str(tmp_path / "m"), "phi3", layers=2, **config)
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    original = config.get("original_max_position_embeddings", c.max_position_embeddings)
+
+    def phi3_keys(w):
+        w.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(config.get("sliding_window") or 0)
+        if "rope_scaling" in config:
+            scale = c.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            for kind in ("long", "short"):
+                w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(PHI3_LONGROPE[f"{kind}_factor"], np.float32))
+
+    ids = np.random.default_rng(6).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        ref_logits = model(torch.tensor([ids])).logits[0].numpy()
+    gguf_path = _gguf_of(model, str(tmp_path / "m.gguf"), None, arch="phi3", extra=phi3_keys)
+    logits = drive(export_for_parity(gguf_path, str(tmp_path / "b")), ids, 3 * CHUNK)[0]
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
 
 
 def test_longrope_past_its_original_context_is_refused(tmp_path):
