@@ -39,7 +39,8 @@ FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj and gate_up_proj (split by the source), partial rotary
 }
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "freq_factors")  # freq_factors: a GGUF's rope_freqs
+# freq_factors: a GGUF's rope_freqs
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "freq_factors")
 
 
 # Node labels (GraphBuilder.op): the residual stream's adds and the RMSNorm statistics. SmolLM2's residual stream
