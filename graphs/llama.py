@@ -1,9 +1,9 @@
 """The Llama-family decoder step as a static ONNX graph.
 
 One definition covers LlamaForCausalLM (SmolLM2, TinyLlama, Llama 2/3), MistralForCausalLM (sliding-window
-attention as a mask), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm): RMSNorm, RoPE read from
-tables by position, grouped-query attention over the masked past plus the step's own tokens, SwiGLU MLP,
-tied or untied LM head.
+attention as a mask), Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (per-head q/k RMSNorm) and
+Phi3ForCausalLM (partial rotary): RMSNorm, RoPE read from tables by position, grouped-query attention over the
+masked past plus the step's own tokens, SwiGLU MLP, tied or untied LM head.
 
 Shape of the work, chosen for runtimes that want static shapes and plain ops (see shared/design.md §7):
 * q, k, v come from one fused MatMul and gate/up from another: fewer, larger weight reads.
