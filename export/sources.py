@@ -60,6 +60,7 @@ def open_source(path: str) -> Source:
 
 
 # -- HF directory -------------------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 _PHI3_PARTS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # what Phi-3 fuses (phi3_part)
 
 
@@ -81,7 +82,6 @@ def phi3_part(hf_name: str, c: LlamaConfig, tensor: Callable[[str], np.ndarray])
         rows = (0, n) if part == "gate_proj" else (n, 2 * n)
         fused = tensor(f"{prefix}.gate_up_proj.weight")
     return np.ascontiguousarray(fused[rows[0]:rows[1]])
-_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
