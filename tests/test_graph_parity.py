@@ -413,6 +413,12 @@ def test_a_sliding_window_from_a_gguf_matches_transformers(tmp_path):
                                    str(tmp_path / name))
         logits = drive(bundle, ids, 3 * CHUNK)[0]
         assert (np.abs(logits - ref_logits).max() < LOGIT_TOL) == (window is not None), name
+    # a Qwen GGUF does not say which of its layers slide: one line, exit 2, nothing written
+    bad = _gguf_of(model, str(tmp_path / "qwen.gguf"), None, sliding_window=4, arch="qwen2")
+    r = subprocess.run([sys.executable, "-m", "specedge", "export", "--target", bad, "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "qwen2.attention.sliding_window is not supported for qwen2" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
 
 
 def test_a_tree_nodes_sliding_window_counts_depths(tmp_path):
