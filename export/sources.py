@@ -91,12 +91,19 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     family = FAMILIES[arch]
     heads = cfg["num_attention_heads"]
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_theta = cfg.get("rope_local_base_freq", 10000.0) if family == "gemma3" else None
+    if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (Gemma 3 in transformers 5)
+        local, rope = dict(rope.get("sliding_attention") or {}), dict(rope.get("full_attention") or {})
+        local_theta = local.get("rope_theta", local_theta)
+        if local.get("rope_type", "default") != "default":
+            raise ExportError(f"rope_type {local['rope_type']} in the sliding layers is not supported (default only)")
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
     if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # "su": Phi-3's first name for it
         rope["rope_type"] = "longrope"
         rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    if cfg.get("hidden_act", "silu") != "silu":
+    gemma = _gemma_settings(family, cfg) if family.startswith("gemma") else {}
+    if not gemma and cfg.get("hidden_act", "silu") != "silu":
         raise ExportError(f"hidden_act {cfg.get('hidden_act')} is not supported (SwiGLU with silu only)")
     if cfg.get("mlp_bias"):
         raise ExportError("mlp_bias is not supported")
@@ -110,6 +117,9 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         sliding = tuple(i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention")
     elif family in ("qwen2", "qwen3"):  # older configs: the layers from max_window_layers on (transformers' rule)
         sliding = tuple(range(cfg.get("max_window_layers", 28), layers))
+    elif family in ("gemma2", "gemma3"):  # older configs: every layer but each pattern-th (transformers' rule)
+        pattern = 2 if family == "gemma2" else cfg.get("sliding_window_pattern", 6)
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
     else:
         sliding = None  # Mistral: every layer
     return LlamaConfig(
@@ -126,12 +136,32 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         rope_scaling=rope or None,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         max_position_embeddings=cfg.get("max_position_embeddings", 0),
         sliding_window=window,
         sliding_layers=sliding,
         partial_rotary_factor=partial,
+        rope_local_theta=float(local_theta) if local_theta else None,
+        **gemma,
     )
+
+
+def _gemma_settings(family: str, cfg: dict) -> dict:
+    """What sets Gemma (1, 2, 3) apart from Llama, as transformers runs it: GeLU (Gemma reads hidden_act, Gemma 2/3
+    hidden_activation), RMSNorm by 1 + weight, embeddings times sqrt(hidden); Gemma 2/3 also normalize each
+    block's output, scale queries by query_pre_attn_scalar ** -0.5 and soft-cap scores and logits."""
+    act = cfg.get("hidden_act") if family == "gemma" else cfg.get("hidden_activation") or cfg.get("hidden_act")
+    activations = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    if act not in activations:
+        raise ExportError(f"{family} with activation {act} is not supported ({', '.join(activations)})")
+    if cfg.get("use_bidirectional_attention"):
+        raise ExportError("use_bidirectional_attention is not supported (a causal decoder only)")
+    out = dict(activation=activations[act], norm_offset=True, embed_scale=cfg["hidden_size"] ** 0.5)
+    if family in ("gemma2", "gemma3"):
+        scalar = cfg.get("query_pre_attn_scalar")
+        out.update(sandwich_norms=True, query_scale=scalar ** -0.5 if scalar else None,
+                   attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"))
+    return out
 
 
 class HFSource(Source):

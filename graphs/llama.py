@@ -22,7 +22,7 @@ Shape of the work, chosen for runtimes that want static shapes and plain ops (se
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -38,7 +38,11 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj and gate_up_proj (split by the source), partial rotary
+    "GemmaForCausalLM": "gemma",  # GeLU, RMSNorm by 1 + weight, embeddings times sqrt(hidden)
+    "Gemma2ForCausalLM": "gemma2",  # and norms after attention and MLP, soft-capped scores and logits
+    "Gemma3ForCausalLM": "gemma3",  # and q/k norms, a RoPE base of its own in the sliding layers
 }
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # freq_factors: a GGUF's rope_freqs
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope", "freq_factors")
 
@@ -55,7 +59,7 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    family: str  # llama | mistral | qwen2 | qwen3 | phi3
+    family: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma | gemma2 | gemma3
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -73,6 +77,18 @@ class LlamaConfig:
     sliding_window: int | None = None  # a query at position p sees keys at positions > p - sliding_window
     sliding_layers: tuple[int, ...] | None = None  # the layers that slide (None: all, with sliding_window set)
     partial_rotary_factor: float = 1.0  # RoPE turns the first rotary_dim dimensions of each head (Phi-4-mini: 0.75)
+    # Gemma: the activation of the gated MLP, RMSNorm weights stored as (1 + w) by the export, the embedding's
+    # scale, the query scale (query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5), norms after the attention
+    # and MLP outputs too (Gemma 2/3), tanh soft caps of the attention scores and the logits, and the RoPE base
+    # of the sliding layers (Gemma 3; the others use rope_theta and rope_scaling).
+    activation: str = "silu"
+    norm_offset: bool = False
+    embed_scale: float | None = None
+    query_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_local_theta: float | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -98,6 +114,8 @@ class LlamaConfig:
                                    f"RoPE needs an even number of rotated dimensions, at most head_dim")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedModel(f"sliding_window {self.sliding_window} must be at least 1")
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModel(f"activation {self.activation} is not supported ({', '.join(ACTIVATIONS)})")
         rope_inv_freq(self, context)  # raises on unsupported rope scaling
         scaling = dict(self.rope_scaling or {})
         stretch = scaling.get("factor", 1.0) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
@@ -251,7 +269,8 @@ def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None, matmul_head: 
     def matrix(name):
         return [name] if quant is None else [name + ".q", name + ".scale"]
 
-    names = ["rope.cos", "rope.sin"] + matrix("embed")
+    names = ["rope.cos", "rope.sin"] + (["rope_local.cos", "rope_local.sin"] if cfg.rope_local_theta else [])
+    names += matrix("embed")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         names.append(p + "attn_norm")
@@ -260,7 +279,8 @@ def weight_names(cfg: LlamaConfig, quant: QuantSpec | None = None, matmul_head: 
             names.append(p + "qkv_bias")
         if cfg.qk_norm:
             names.append(p + "qk_norm")
-        names += matrix(p + "o") + [p + "mlp_norm"] + matrix(p + "gate_up") + matrix(p + "down")
+        names += matrix(p + "o") + ([p + "attn_out_norm"] if cfg.sandwich_norms else []) + [p + "mlp_norm"]
+        names += matrix(p + "gate_up") + matrix(p + "down") + ([p + "mlp_out_norm"] if cfg.sandwich_norms else [])
     names.append("norm")
     if quant is not None or not cfg.tie_word_embeddings or matmul_head:
         names += matrix("lm_head")  # quantized bundles always store the head as a MatMul weight of its own
@@ -299,8 +319,12 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     everything else is requantized from float, and `report` records which and the error introduced.
     """
     np_dtype = np.dtype(dtype)
-    scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+    scale = np.float32(cfg.query_scale if cfg.query_scale is not None else 1.0 / math.sqrt(cfg.head_dim))
     report = report if report is not None else QuantReport()
+
+    def norm(name: str) -> np.ndarray:  # Gemma's RMSNorm scales by 1 + weight (in float32, as transformers)
+        w = hf(name)
+        return w + np.float32(1) if cfg.norm_offset else w
 
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
@@ -350,6 +374,10 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     cos, sin = rope_tables(cfg, context)
     yield "rope.cos", cos.astype(np_dtype)
     yield "rope.sin", sin.astype(np_dtype)
+    if cfg.rope_local_theta:
+        cos, sin = rope_tables(replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None), context)
+        yield "rope_local.cos", cos.astype(np_dtype)
+        yield "rope_local.sin", sin.astype(np_dtype)
     embed = "model.embed_tokens.weight"
     if quant is None:
         yield "embed", hf(embed).astype(np_dtype)
@@ -357,7 +385,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         yield from stored("embed", blocks("embed", [(embed, one)], 8), transpose=True)
     for i in range(cfg.num_layers):
         p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        yield p + "attn_norm", hf(f"model.layers.{i}.input_layernorm.weight").astype(np_dtype)
+        yield p + "attn_norm", norm(f"model.layers.{i}.input_layernorm.weight").astype(np_dtype)
         # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded into its q_norm there)
         q_factor = one if cfg.qk_norm else scale
         yield from matrix(p + "qkv", [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one),
@@ -366,15 +394,22 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             qb = hf(a + "q_proj.bias") * q_factor
             yield p + "qkv_bias", np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")]).astype(np_dtype)
         if cfg.qk_norm:
-            qn = hf(a + "q_norm.weight") * scale
-            kn = hf(a + "k_norm.weight")
+            qn = norm(a + "q_norm.weight") * scale
+            kn = norm(a + "k_norm.weight")
             rows = [qn] * cfg.num_heads + [kn] * cfg.num_kv_heads
             yield p + "qk_norm", np.stack(rows).astype(np_dtype)  # [H + H_kv, D]
         yield from matrix(p + "o", [(a + "o_proj.weight", one)])
-        yield p + "mlp_norm", hf(f"model.layers.{i}.post_attention_layernorm.weight").astype(np_dtype)
+        layer = f"model.layers.{i}."
+        if cfg.sandwich_norms:  # Gemma 2/3: post_attention_layernorm normalizes the attention's output
+            yield p + "attn_out_norm", norm(layer + "post_attention_layernorm.weight").astype(np_dtype)
+            yield p + "mlp_norm", norm(layer + "pre_feedforward_layernorm.weight").astype(np_dtype)
+        else:
+            yield p + "mlp_norm", norm(layer + "post_attention_layernorm.weight").astype(np_dtype)
         yield from matrix(p + "gate_up", [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)])
         yield from matrix(p + "down", [(m + "down_proj.weight", one)])
-    yield "norm", hf("model.norm.weight").astype(np_dtype)
+        if cfg.sandwich_norms:
+            yield p + "mlp_out_norm", norm(layer + "post_feedforward_layernorm.weight").astype(np_dtype)
+    yield "norm", norm("model.norm.weight").astype(np_dtype)
     head = embed if cfg.tie_word_embeddings else "lm_head.weight"
     if quant is not None:
         yield from matrix("lm_head", [(head, one)], quant.head_bits)
@@ -399,6 +434,27 @@ def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, scal
         var = g.op("ReduceMean", square, axes=[-1], keepdims=1, label=NORM)
     rms = g.op("Sqrt", g.op("Add", var, g.const(eps, dtype), label=NORM), label=NORM)
     return g.op("Mul", g.op("Div", x, rms, label=NORM), weight)
+
+
+def _softcap(g: GraphBuilder, x: str, cap: float, dtype: str, name: str | None = None) -> str:
+    """cap * tanh(x / cap), as transformers computes Gemma 2's soft caps."""
+    c = g.const(cap, dtype)
+    return g.op("Mul", g.op("Tanh", g.op("Div", x, c)), c, name=name)
+
+
+def _activation(g: GraphBuilder, x: str, kind: str, dtype: str) -> str:
+    """The gated MLP's activation: SiLU (x * sigmoid(x)), GeLU's tanh form 0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))) or exact GeLU 0.5 x (1 + erf(x / sqrt(2))), in opset 17's ops."""
+    if kind == "silu":
+        return g.op("Mul", x, g.op("Sigmoid", x))
+    if kind == "gelu_tanh":
+        cube = g.op("Mul", g.op("Mul", x, x), x)
+        inner = g.op("Mul", g.op("Add", x, g.op("Mul", cube, g.const(0.044715, dtype))),
+                     g.const(math.sqrt(2 / math.pi), dtype))
+        gate = g.op("Add", g.op("Tanh", inner), g.const(1.0, dtype))
+    else:
+        gate = g.op("Add", g.op("Erf", g.op("Div", x, g.const(math.sqrt(2.0), dtype))), g.const(1.0, dtype))
+    return g.op("Mul", g.op("Mul", x, g.const(0.5, dtype)), gate)
 
 
 def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, shape: tuple[int, ...]) -> str:
@@ -583,13 +639,19 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     # where rotate_half takes its input (output i < D/2 reads x[i + D/2], output i >= D/2 reads x[i - D/2]).
     # R [B, T, D, D] is built once per step from the tables at the step's positions and broadcast over heads;
     # each output sums two nonzero products, the same way at every T (`specedge check` verifies the rows).
-    cos = g.op("Unsqueeze", g.op("Gather", g.weight("rope.cos"), position_ids, axis=0), g.ints(2))  # [B, T, 1, D]
-    sin = g.op("Unsqueeze", g.op("Gather", g.weight("rope.sin"), position_ids, axis=0), g.ints(2))
     half = cfg.rotary_dim // 2  # partial rotary: rotate_half pairs within the rotated dimensions only
     swap = np.zeros((D, D), dtype=dt)
     swap[np.arange(half) + half, np.arange(half)] = 1
     swap[np.arange(half), np.arange(half) + half] = 1
-    rotation = g.op("Add", g.op("Mul", g.const(np.eye(D, dtype=dt)), cos), g.op("Mul", g.const(swap), sin))
+
+    def rotation_from(table):  # "rope" or "rope_local" (Gemma 3's sliding layers) -> R [B, T, D, D]
+        cos = g.op("Unsqueeze", g.op("Gather", g.weight(table + ".cos"), position_ids, axis=0), g.ints(2))
+        sin = g.op("Unsqueeze", g.op("Gather", g.weight(table + ".sin"), position_ids, axis=0), g.ints(2))
+        return g.op("Add", g.op("Mul", g.const(np.eye(D, dtype=dt)), cos), g.op("Mul", g.const(swap), sin))
+
+    rotations = {False: rotation_from("rope")}  # local -> R
+    if cfg.rope_local_theta:
+        rotations[True] = rotation_from("rope_local")
     # The rotation's MatMul must see the same rows at every T: all heads of one token, one [heads, D] x [D, D]
     # product. A T > 1 step has that layout ([B, T, heads, D]); a one-token step of batch 1 may put the heads
     # first, [1, heads, 1, D], the contract's K/V layout (no Reshape per output), which onnxruntime folds into
@@ -598,6 +660,8 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
     # The residual stream is 2-D, [B*T, E]: every weight product is a plain 2-D MatMul or Gemm.
     x = embedding(input_ids)
+    if cfg.embed_scale is not None:  # Gemma: times sqrt(hidden), rounded to the weights' dtype as transformers does
+        x = g.op("Mul", x, g.const(float(np.dtype(dt).type(cfg.embed_scale)), dt))
     for i, (past_k, past_v) in enumerate(pasts):
         p = f"layers.{i}."
         h = _rms_norm(g, x, g.weight(p + "attn_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
@@ -616,7 +680,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         if cfg.qk_norm:  # q and k get the norm and RoPE together
             qk = _rms_norm(g, qk, qk_norm, cfg.rms_norm_eps, dt, scaled_norm,
                            (B, H + Hkv, 1, D) if heads_first else (B, T, H + Hkv, D))
-        qk = g.op("MatMul", qk, rotation)
+        qk = g.op("MatMul", qk, rotations[bool(cfg.rope_local_theta) and cfg.slides(i)])
         q, k = g.op("Split", qk, g.ints(H, Hkv), axis=heads, outputs=2, name=(None, kv_names[0]))
         new_k = k if heads_first else per_head(k, C.new_key(i))  # [B, Hkv, T, D]
         new_v = v if heads_first else per_head(v, C.new_value(i))
@@ -636,7 +700,10 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
             values = (g.op("ScatterND", past_v, step_slots, new_v) if slot_scatter
                       else g.op("ScatterElements", past_v, step_rows, new_v, axis=2))  # [B, Hkv, S, D]
         mask = masks[window is not None and cfg.slides(i)]
-        scores = g.op("Add", g.op("Concat", scores_slots, scores_own, axis=-1), mask)  # [B, Hkv, T*rep, S+1]
+        scores = g.op("Concat", scores_slots, scores_own, axis=-1)  # [B, Hkv, T*rep, S+1]
+        if cfg.attn_softcap is not None:  # Gemma 2: cap * tanh(score / cap), each score alone
+            scores = _softcap(g, scores, cfg.attn_softcap, dt)
+        scores = g.op("Add", scores, mask)
         probs_slots, probs_own = g.op("Split", g.op("Softmax", scores, axis=-1), g.ints(S, 1), axis=-1, outputs=2)
         if not multi:  # [rep, 1] @ [1, D]: one product per element, the same rounding as the Mul below
             own = g.op("MatMul", probs_own, new_v)
@@ -645,22 +712,31 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
                        g.op("Unsqueeze", new_v, g.ints(3)))  # [B, Hkv, T, rep, D]: row t*rep + r times value t
             own = g.op("Reshape", own, g.ints(B, Hkv, T * rep, D))
         attn = g.op("Add", g.op("MatMul", probs_slots, values), own)
-        x = g.op("Add", x, linear(from_rows(attn), p + "o", k=H * D), label=RESIDUAL)
+        out = linear(from_rows(attn), p + "o", k=H * D)
+        if cfg.sandwich_norms:  # Gemma 2/3 normalize what each block adds to the residual stream
+            out = _rms_norm(g, out, g.weight(p + "attn_out_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
+        x = g.op("Add", x, out, label=RESIDUAL)
 
         h = _rms_norm(g, x, g.weight(p + "mlp_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
         gate, up = g.op("Split", linear(h, p + "gate_up", k=E), axis=-1, outputs=2)
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        x = g.op("Add", x, linear(act, p + "down", k=cfg.intermediate_size), label=RESIDUAL)
+        act = g.op("Mul", _activation(g, gate, cfg.activation, dt), up)
+        out = linear(act, p + "down", k=cfg.intermediate_size)
+        if cfg.sandwich_norms:
+            out = _rms_norm(g, out, g.weight(p + "mlp_out_norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
+        x = g.op("Add", x, out, label=RESIDUAL)
 
     if role == C.STEP:
         h = _rms_norm(g, x, g.weight("norm"), cfg.rms_norm_eps, dt, scaled_norm, (B * T, E))
-        name = C.LOGITS if dt == "float32" else None  # else a Cast makes the contract's float32 logits
+        # the contract's float32 logits: named here, else by a Cast, after the soft cap if any
+        name = C.LOGITS if dt == "float32" and cfg.final_softcap is None else None
         if quant is not None or matmul_head:  # [B, T, E] in, [B, T, V] out: reshaping h costs less than the logits
             logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name)
         else:  # a Gemm per part of the [V, hidden] table (HEAD_PARTS), each logit the same dot product as whole
             parts = [g.op("Gemm", h, g.weight(part), transB=1) for part in head_parts(cfg, g.weights)]
             logits = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=-1)
             logits = g.op("Reshape", logits, g.ints(B, T, dims.vocab_size), name=name)
-        if name is None:
+        if cfg.final_softcap is not None:
+            logits = _softcap(g, logits, cfg.final_softcap, dt, name=C.LOGITS if dt == "float32" else None)
+        if dt != "float32":
             g.op("Cast", logits, to=1, name=C.LOGITS)
         g.declare_output(out_specs[C.LOGITS])

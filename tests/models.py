@@ -44,14 +44,15 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     config_cls, model_cls = (getattr(tf, n) for n in classes[family])
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=1, pad_token_id=0)
-    if family == "qwen3":
+    if family == "qwen3" or family.startswith("gemma"):
         kwargs["head_dim"] = hidden // heads
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "gemma2", "gemma3"):
         kwargs["sliding_window"] = sliding_window
     elif sliding_window is not None:  # Qwen2/3: the layers from max_window_layers on slide
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=max_window_layers)
@@ -63,7 +64,7 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(0.5, 1.5) if not family.startswith("gemma") else p.uniform_(-0.5, 0.5)  # 1 + w
             elif "bias" in name:
                 p.normal_(0, 0.1)
         if logit_scale != 1.0:  # sharper distributions make sampling tests discriminating

@@ -331,6 +331,36 @@ def test_phi3_from_a_gguf_matches_transformers(config, tmp_path):
     assert np.abs(logits - ref_logits).max() < LOGIT_TOL
 
 
+GEMMA_CASES = [
+    ("gemma", {}),  # GeLU (tanh form), RMSNorm by 1 + weight, embeddings times sqrt(hidden)
+    ("gemma", {"hidden_act": "gelu"}),  # exact GeLU
+    # norms after each block, query_pre_attn_scalar, soft-capped scores (here they reach the cap's bend: 2) and
+    # logits, sliding and full layers alternating
+    ("gemma2", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # q/k norms, the sliding layers' own RoPE base, the full layers' linear scaling (Gemma 3 4B's)
+    ("gemma3", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+]
+
+
+@pytest.mark.parametrize("family, config", GEMMA_CASES)
+def test_gemma_matches_transformers(family, config, tmp_path):
+    """Gemma 1, 2 and 3 (text): logits and the K/V entries transformers keeps equal transformers'."""
+    model = make_hf_model(str(tmp_path / "m"), family, layers=3, tie=True, **config)
+    ids = np.random.default_rng(7).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
+    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
+    assert np.abs(logits - out.logits[0].numpy()).max() < LOGIT_TOL
+    for i, layer in enumerate(out.past_key_values.layers):  # a sliding layer keeps its last window - 1 entries
+        n = layer.keys.shape[2]
+        assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
+        assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+
+
 def test_longrope_past_its_original_context_is_refused(tmp_path):
     """LongRoPE switches to its long factors once a sequence passes the original context, re-rotating every
     position: no static graph computes that. One line, exit 2, nothing written."""
