@@ -334,9 +334,9 @@ def test_phi3_from_a_gguf_matches_transformers(config, tmp_path):
 GEMMA_CASES = [
     ("gemma", {}),  # GeLU (tanh form), RMSNorm by 1 + weight, embeddings times sqrt(hidden)
     ("gemma", {"hidden_act": "gelu"}),  # exact GeLU
-    # norms after each block, query_pre_attn_scalar, soft-capped scores (here they reach the cap's bend: 2) and
+    # norms after each block, query_pre_attn_scalar, soft-capped scores (a cap low enough to bend them) and
     # logits, sliding and full layers alternating
-    ("gemma2", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+    ("gemma2", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 3.0,
                 "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     # q/k norms, the sliding layers' own RoPE base, the full layers' linear scaling (Gemma 3 4B's)
     ("gemma3", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
@@ -359,6 +359,33 @@ def test_gemma_matches_transformers(family, config, tmp_path):
         n = layer.keys.shape[2]
         assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
         assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+
+
+@pytest.mark.parametrize("kind, approximate", [("gelu_tanh", "tanh"), ("gelu", "none"), ("silu", None)])
+def test_activations_match_torch(kind, approximate):
+    """The MLP activations the graphs build from opset-17 ops equal torch's over [-6, 6] (float32 rounding);
+    GeLU's two forms differ there by far more, so each is told apart."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from specedge.graphs.builder import GraphBuilder
+    from specedge.graphs.llama import _activation
+
+    g = GraphBuilder("act", {}, "none.bin")
+    g.inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [1201]))
+    y = _activation(g, "x", kind, "float32")
+    g.outputs.append(helper.make_tensor_value_info(y, TensorProto.FLOAT, [1201]))
+    x = np.linspace(-6, 6, 1201, dtype=np.float32)
+    got = ort.InferenceSession(g.build().SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    t = torch.from_numpy(x)
+    want = (torch.nn.functional.silu(t) if approximate is None
+            else torch.nn.functional.gelu(t, approximate=approximate)).numpy()
+    assert np.abs(got - want).max() < 1e-6
+    if approximate is not None:
+        other = torch.nn.functional.gelu(t, approximate="none" if approximate == "tanh" else "tanh").numpy()
+        assert np.abs(got - other).max() > 1e-4
+    assert onnx.checker.check_model(g.build()) is None
 
 
 def test_longrope_past_its_original_context_is_refused(tmp_path):
