@@ -180,12 +180,20 @@ def test_an_accepted_leaf_is_committed_at_its_depth(tree_gens, wrong):
         np.testing.assert_array_equal(got[:, :, :n], want[:, :, :n])
 
 
-@pytest.fixture(scope="module")
-def window_gen(tmp_path_factory):
-    """A tiny Mistral whose attention slides over 4 positions, fewer than a tree's depth or a chain's length; a
+WINDOWED = {
+    "mistral": {},
+    # sliding and full layers, each with its RoPE base, soft-capped scores and logits, GeLU, norms after each block
+    "gemma3": dict(tie=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   attn_logit_softcapping=0.05, final_logit_softcapping=3.0),
+}
+
+
+@pytest.fixture(scope="module", params=list(WINDOWED))
+def window_gen(request, tmp_path_factory):
+    """A tiny model whose attention slides over 4 positions, fewer than a tree's depth or a chain's length; a
     layer draft and tree graphs 8 and 16."""
     root = tmp_path_factory.mktemp("window")
-    make_hf_model(str(root / "hf"), "mistral", sliding_window=4)
+    make_hf_model(str(root / "hf"), request.param, sliding_window=4, **WINDOWED[request.param])
     export_bundle(str(root / "hf"), str(root / "b"), ExportOptions(context=128, prefill_chunk=CHUNK, draft_layers=1,
                                                                    tree_sizes=(8, 16)), progress=False)
     g = Generator.load(str(root / "b"))
