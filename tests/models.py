@@ -64,7 +64,8 @@ def make_hf_model(path: str, family: str = "llama", *, vocab: int = 1000, layers
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5) if not family.startswith("gemma") else p.uniform_(-0.5, 0.5)  # 1 + w
+                low = -0.5 if family.startswith("gemma") else 0.5  # Gemma's norms scale by 1 + weight
+                p.uniform_(low, low + 1)
             elif "bias" in name:
                 p.normal_(0, 0.1)
         if logit_scale != 1.0:  # sharper distributions make sampling tests discriminating
