@@ -253,21 +253,29 @@ def test_sliding_window_attention_matches_transformers(family, window_layers, tm
     model = make_hf_model(str(tmp_path / "m"), family, layers=3, sliding_window=4, max_window_layers=window_layers)
     full = make_hf_model(str(tmp_path / "full"), family, layers=3)  # the same weights (same seed), no window
     ids = np.random.default_rng(4).integers(0, 1000, 3 * CHUNK + 11).tolist()
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    ref_logits = out.logits[0].numpy()
+    ref_logits, kept = assert_matches_transformers(model, str(tmp_path / "m"), str(tmp_path / "b"), ids)
     assert np.abs(reference(full, ids)[0] - ref_logits).max() > 100 * LOGIT_TOL  # the window matters here
-    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
-    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
+    assert min(kept) < len(ids)  # some layer slides
+
+
+def assert_matches_transformers(model, hf_dir: str, out: str, ids: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Export `hf_dir`, drive it over `ids` (prefill chunks, a T=5 step, decode steps) and compare with
+    transformers' forward: the logits, and in each layer the K/V entries transformers keeps (a sliding layer's
+    cache holds its last window - 1 only; ours keeps every entry and masks). Returns transformers' logits and
+    the entries it kept per layer."""
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), use_cache=True)
+    ref_logits = ref.logits[0].numpy()
+    logits, keys, values = drive(export_for_parity(hf_dir, out), ids, 3 * CHUNK)
     assert np.abs(logits - ref_logits).max() < LOGIT_TOL
     kept = []
-    for i, layer in enumerate(out.past_key_values.layers):
+    for i, layer in enumerate(ref.past_key_values.layers):
         ref_k, ref_v = layer.keys[0].numpy(), layer.values[0].numpy()  # [Hkv, n, D], the last n positions
         n = ref_k.shape[1]
         kept.append(n)
         assert np.abs(keys[i][:, -n:] - ref_k).max() < KV_TOL
         assert np.abs(values[i][:, -n:] - ref_v).max() < KV_TOL
-    assert min(kept) < len(ids)  # some layer slides
+    return ref_logits, kept
 
 
 PHI3_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
@@ -290,15 +298,7 @@ def test_phi3_matches_transformers(config, tmp_path):
     and K/V equal transformers'. A window, where given, is shorter than the prefill chunks."""
     model = make_hf_model(str(tmp_path / "m"), "phi3", layers=2, **config)
     ids = np.random.default_rng(6).integers(0, 1000, 3 * CHUNK + 11).tolist()
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
-    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
-    assert np.abs(logits - out.logits[0].numpy()).max() < LOGIT_TOL
-    for i, layer in enumerate(out.past_key_values.layers):  # a sliding layer keeps its last window - 1 entries
-        n = layer.keys.shape[2]
-        assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
-        assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+    assert_matches_transformers(model, str(tmp_path / "m"), str(tmp_path / "b"), ids)
 
 
 @pytest.mark.parametrize("config", PHI3_CASES)
@@ -350,15 +350,7 @@ def test_gemma_matches_transformers(family, config, tmp_path):
     """Gemma 1, 2 and 3 (text): logits and the K/V entries transformers keeps equal transformers'."""
     model = make_hf_model(str(tmp_path / "m"), family, layers=3, tie=True, **config)
     ids = np.random.default_rng(7).integers(0, 1000, 3 * CHUNK + 11).tolist()
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    bundle = export_for_parity(str(tmp_path / "m"), str(tmp_path / "b"))
-    logits, keys, values = drive(bundle, ids, 3 * CHUNK)
-    assert np.abs(logits - out.logits[0].numpy()).max() < LOGIT_TOL
-    for i, layer in enumerate(out.past_key_values.layers):  # a sliding layer keeps its last window - 1 entries
-        n = layer.keys.shape[2]
-        assert np.abs(keys[i][:, -n:] - layer.keys[0].numpy()).max() < KV_TOL
-        assert np.abs(values[i][:, -n:] - layer.values[0].numpy()).max() < KV_TOL
+    assert_matches_transformers(model, str(tmp_path / "m"), str(tmp_path / "b"), ids)
 
 
 @pytest.mark.parametrize("kind, approximate", [("gelu_tanh", "tanh"), ("gelu", "none"), ("silu", None)])
