@@ -185,6 +185,7 @@ WINDOWED = {
     # sliding and full layers, each with its RoPE base, soft-capped scores and logits, GeLU, norms after each block
     "gemma3": dict(tie=True, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    attn_logit_softcapping=0.05, final_logit_softcapping=3.0),
+    "phi3": dict(partial_rotary_factor=0.75),  # fused projections, RoPE on 3/4 of each head
 }
 
 
