@@ -243,7 +243,8 @@ class HFSource(Source):
 
 # -- GGUF file ----------------------------------------------------------------------------------------
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+               "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -254,6 +255,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3 (its ffn_up is gate_up_proj: GGUFSource)
+}
+# Gemma 2/3 normalize before and after each block: their ffn_norm is the norm before the MLP
+_GGUF_SANDWICH_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight", "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 
@@ -275,7 +281,7 @@ class GGUFSource(Source):
         a = self.arch
         self._tensors = {}
         for t in self.reader.tensors:
-            name = self._hf_name(t.name)
+            name = self._hf_name(t.name, sandwich=a in ("gemma2", "gemma3"))
             if a == "phi3" and name.endswith(".mlp.up_proj.weight"):  # Phi-3's ffn_up holds gate, then up
                 name = name.replace(".up_proj.", ".gate_up_proj.")
             self._tensors[name] = t
@@ -302,15 +308,19 @@ class GGUFSource(Source):
                     "original_max_position_embeddings": int(self._field(f"{a}.rope.scaling.original_context_length")),
                     "attention_factor": float(self._field(f"{a}.rope.scaling.attn_factor", 1.0))}
         window = self._field(f"{a}.attention.sliding_window", None) or None  # phi3 writes 0 for none
-        if window is not None and a not in ("llama", "phi3"):  # which of a Qwen's layers slide is not in the file
+        if window is not None and a in ("qwen2", "qwen3"):  # which of a Qwen's layers slide is not in the file
             raise ExportError(f"{path}: GGUF {a}.attention.sliding_window is not supported for {a} (llama and "
-                              f"phi3 only, where every layer slides)")
+                              f"phi3, where every layer slides, and Gemma 2/3)")
         head_dim = self._field(f"{a}.attention.key_length", None) or hidden // heads
+        layers = self._field(f"{a}.block_count")
+        gemma = self._gemma_settings(layers, hidden, heads, head_dim) if a.startswith("gemma") else {}
+        if a == "gemma2":
+            window = window or 4096  # llama.cpp's default for a Gemma 2 file without the key
         rotary = self._field(f"{a}.rope.dimension_count", None) if a == "phi3" else None
         vocab = self._field(f"{a}.vocab_size", None) or len(self._field_raw("tokenizer.ggml.tokens").data)
         self.config = LlamaConfig(
             family=a,
-            num_layers=self._field(f"{a}.block_count"),
+            num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
@@ -322,12 +332,36 @@ class GGUFSource(Source):
             rope_scaling=rope,
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             attention_bias="model.layers.0.self_attn.q_proj.bias" in self._tensors,
-            qk_norm=a == "qwen3",
+            qk_norm=a in ("qwen3", "gemma3"),
             max_position_embeddings=self._field(f"{a}.context_length", 0),
             sliding_window=None if window is None else int(window),
             partial_rotary_factor=1.0 if not rotary else int(rotary) / head_dim,
+            **gemma,
         )
         self._check_types()
+
+    def _gemma_settings(self, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+        """A Gemma GGUF as llama.cpp runs it (llama-model.cpp's hparams, src/models/gemma*.cpp), where the file
+        leaves things out: GeLU in its tanh form, embeddings times sqrt(hidden); norm weights already stored as
+        1 + w by the converter (used as they are, no fold). Gemma 2/3: norms after each block; queries scaled by
+        1/sqrt(head_dim), by 1/sqrt(hidden / heads) in the 27B models (46 and 62 layers); every layer but each
+        2nd (Gemma 2) or 6th (Gemma 3) slides. Gemma 2's caps default to 50 (scores) and 30 (logits); Gemma 3
+        caps no scores, caps logits only if the file says so, and turns its sliding layers with base 10000."""
+        a = self.arch
+        out = dict(activation="gelu_tanh", embed_scale=hidden ** 0.5)
+        if a == "gemma":
+            return out
+        big = layers == (46 if a == "gemma2" else 62)
+        pattern = 2 if a == "gemma2" else 6
+        final_cap = self._field(f"{a}.final_logit_softcapping", 30.0 if a == "gemma2" else None)
+        out.update(sandwich_norms=True, query_scale=(hidden // heads if big else head_dim) ** -0.5,
+                   sliding_layers=tuple(i for i in range(layers) if i % pattern < pattern - 1),
+                   final_softcap=None if final_cap is None else float(final_cap))
+        if a == "gemma2":
+            out["attn_softcap"] = float(self._field(f"{a}.attn_logit_softcapping", 50.0))
+        else:
+            out["rope_local_theta"] = 10000.0
+        return out
 
     def _factors(self, t) -> list[float]:
         return [float(f) for f in np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), np.float32).ravel()]
@@ -365,7 +399,7 @@ class GGUFSource(Source):
         return f.contents()
 
     @staticmethod
-    def _hf_name(name: str) -> str:
+    def _hf_name(name: str, sandwich: bool = False) -> str:
         if name == "token_embd.weight":
             return "model.embed_tokens.weight"
         if name == "output_norm.weight":
@@ -374,6 +408,8 @@ class GGUFSource(Source):
             return "lm_head.weight"
         if name.startswith("blk."):
             _, i, rest = name.split(".", 2)
+            if sandwich and rest in _GGUF_SANDWICH_NAMES:
+                return f"model.layers.{i}.{_GGUF_SANDWICH_NAMES[rest]}"
             if rest in _GGUF_LAYER_NAMES:
                 return f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
         return name

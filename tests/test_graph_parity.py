@@ -119,11 +119,14 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
     """The tiny HF llama as an F32 GGUF the way llama.cpp's converter writes one: q/k rows permuted for its
     interleaved RoPE, Llama 3 scaling as rope_freqs, YaRN as `yarn` (GGUF key suffix -> value), a minimal
     gpt2-style tokenizer. `arch` "phi3": fused qkv_proj and gate_up_proj kept as attn_qkv and ffn_up, and
-    `extra(writer)` adds what else the architecture's converter writes."""
+    `extra(writer)` adds what else the architecture's converter writes. Gemma ("gemma", "gemma2", "gemma3"): every
+    norm weight stored as 1 + w, no permutation; Gemma 2/3's post_attention_layernorm is post_attention_norm, their
+    pre_feedforward_layernorm ffn_norm."""
     import gguf
 
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    gemma = arch.startswith("gemma")
 
     def permute(w, n):
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -132,6 +135,11 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    if arch in ("gemma2", "gemma3"):
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+                      "self_attn.k_norm": "attn_k_norm"})
+    rope = cfg.rope_scaling
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -140,7 +148,7 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_scaling["rope_theta"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
@@ -151,6 +159,8 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
     w.add_eot_token_id(7)  # Llama 3 instruct ends a turn with <|eot_id|>, a token other than its EOS
     for name, t in model.state_dict().items():
         t = t.numpy().astype(np.float32)
+        if gemma and name.endswith("norm.weight"):
+            t = t + np.float32(1)
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", t)
         elif name == "model.norm.weight":
@@ -159,9 +169,9 @@ def _gguf_of(model, path: str, rope_freqs: np.ndarray | None, yarn: dict | None 
             w.add_tensor("output.weight", t)
         else:
             layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
-            if rest == "self_attn.q_proj":
+            if rest == "self_attn.q_proj" and not gemma:
                 t = permute(t, heads)
-            elif rest == "self_attn.k_proj":
+            elif rest == "self_attn.k_proj" and not gemma:
                 t = permute(t, kv_heads)
             w.add_tensor(f"blk.{layer}.{names[rest]}.weight", t)
     if rope_freqs is not None:
@@ -351,6 +361,72 @@ def test_gemma_matches_transformers(family, config, tmp_path):
     model = make_hf_model(str(tmp_path / "m"), family, layers=3, tie=True, **config)
     ids = np.random.default_rng(7).integers(0, 1000, 3 * CHUNK + 11).tolist()
     assert_matches_transformers(model, str(tmp_path / "m"), str(tmp_path / "b"), ids)
+
+
+# What a Gemma GGUF can say, under llama.cpp's rules for what it does not: queries scaled by 1/sqrt(head_dim) (16
+# here), Gemma 2 sliding in every other layer from the first, Gemma 3 in five of each six (base 10000 there).
+GEMMA_GGUF_CASES = [
+    ("gemma", 3, {}),
+    ("gemma2", 3, {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 3.0,
+                   "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("gemma3", 7, {"query_pre_attn_scalar": 16, "sliding_window": 4,
+                   "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+]
+
+
+@pytest.mark.parametrize("family, layers, config", GEMMA_GGUF_CASES)
+def test_gemma_from_a_gguf_matches_transformers(family, layers, config, tmp_path):
+    """A Gemma 1/2/3 GGUF as llama.cpp's converter writes one (norm weights 1 + w, no q/k permutation; Gemma 2's
+    caps and window, Gemma 3's global RoPE base and linear scaling as keys): transformers' logits. transformers'
+    own GGUF loader (Gemma 2/3) reads the file's tensors, with the model's config, into the same logits: a check
+    of the file's names and norms that does not go through our reader."""
+    import gguf
+
+    model = make_hf_model(str(tmp_path / "m"), family, layers=layers, tie=True, **config)
+    c = model.config
+    ids = np.random.default_rng(8).integers(0, 1000, 3 * CHUNK + 11).tolist()
+    with torch.no_grad():
+        ref_logits = model(torch.tensor([ids])).logits[0].numpy()
+
+    def keys(w):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        if family == "gemma2":
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        if family == "gemma3":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(8.0)
+
+    path = _gguf_of(model, str(tmp_path / "m.gguf"), None, arch=family, extra=keys,
+                    sliding_window=config.get("sliding_window"))
+    logits = drive(export_for_parity(path, str(tmp_path / "b")), ids, 3 * CHUNK)[0]
+    assert np.abs(logits - ref_logits).max() < LOGIT_TOL
+    if family != "gemma":  # transformers reads no Gemma 1 GGUF
+        from transformers import AutoModelForCausalLM
+        theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", config=c,
+                                                      dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert np.abs(theirs(torch.tensor([ids])).logits[0].numpy() - ref_logits).max() < LOGIT_TOL
+
+
+def test_gemma_27b_ggufs_scale_queries_by_hidden_over_heads(tmp_path):
+    """llama.cpp tells Gemma 2 and 3 27B apart by their layer count (46, 62): their queries are scaled by
+    1/sqrt(hidden / heads) (query_pre_attn_scalar 144 in their HF configs, head_dim 128), every other size's by
+    1/sqrt(head_dim)."""
+    from specedge.export.sources import GGUFSource
+
+    for family, layers, big in (("gemma2", 46, True), ("gemma2", 26, False), ("gemma3", 62, True),
+                                ("gemma3", 26, False), ("gemma3", 46, False)):
+        model = make_hf_model(str(tmp_path / "m"), family, layers=layers, hidden=32, heads=4, kv_heads=2, vocab=64,
+                              head_dim=16, sliding_window=4)
+        path = _gguf_of(model, str(tmp_path / f"{family}{layers}.gguf"), None, arch=family,
+                        extra=lambda w: w.add_key_length(16), sliding_window=4)
+        cfg = GGUFSource(path).config
+        assert cfg.query_scale == pytest.approx((32 / 4 if big else 16) ** -0.5), (family, layers)
+        assert cfg.sliding_layers == tuple(i for i in range(layers) if (i + 1) % (2 if family == "gemma2" else 6))
 
 
 @pytest.mark.parametrize("kind, approximate", [("gelu_tanh", "tanh"), ("gelu", "none"), ("silu", None)])
