@@ -123,7 +123,7 @@ def parse_request(body, chat: bool, model_id: str, defaults: dict | None = None)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be in (0, 1]", param="top_p")
-    top_k = body.get("top_k", 0)
+    top_k = _or_default(body, "top_k", 0)
     if not is_int(top_k) or top_k < 0:
         raise RequestError("top_k must be a non-negative integer (0 = no limit)", param="top_k")
     seed = body.get("seed")
@@ -156,7 +156,7 @@ def parse_request(body, chat: bool, model_id: str, defaults: dict | None = None)
         raise RequestError("stop_token_ids must be a list of token ids", param="stop_token_ids")
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition = body.get("repetition_penalty", 1.0)
+    repetition = _or_default(body, "repetition_penalty", 1.0)
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0 < repetition < math.inf:
         raise RequestError("repetition_penalty must be a number > 0 (1 = off)", param="repetition_penalty")
     return CompletionRequest(chat, messages, prompt, max_tokens, temperature, top_p, top_k, seed, stop, stream,
@@ -198,6 +198,12 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if n is not None and (not is_int(n) or not 0 <= n <= MAX_TOP_LOGPROBS):
         raise RequestError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} or null", param="logprobs")
     return n
+
+
+def _or_default(body: dict, name: str, default):
+    """A field's value, or `default` where the request leaves it out or sends null (as for every sampling field)."""
+    x = body.get(name)
+    return default if x is None else x
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:

@@ -650,6 +650,20 @@ def test_sampling_defaults_apply_to_requests_that_leave_the_field_out(tiny_bundl
         srv.close()
 
 
+def test_null_sampling_fields_take_the_defaults():
+    """Each sampling field sent as null is read as left out (OpenAI's clients send null for "not given"): the
+    server's default where it has one, else OpenAI's; not a 400."""
+    from specedge.serve.protocol import SAMPLING_FIELDS, parse_request
+
+    base = {"model": "m", "prompt": "x"}
+    plain = parse_request(base, False, "m")
+    nulls = parse_request({**base, **{name: None for name in SAMPLING_FIELDS}}, False, "m")
+    for name in SAMPLING_FIELDS:
+        assert getattr(nulls, name) == getattr(plain, name), name
+    served = parse_request({**base, "top_k": None}, False, "m", defaults={"top_k": 7, "repetition_penalty": 1.2})
+    assert (served.top_k, served.repetition_penalty) == (7, 1.2)
+
+
 @pytest.mark.parametrize("flag, value, fragment", [("--temperature", "2.5", "--temperature: temperature must be"),
                                                    ("--top-p", "0", "--top-p: top_p must be in (0, 1]"),
                                                    ("--top-k", "-1", "--top-k: top_k must be a non-negative"),
