@@ -394,8 +394,9 @@ def _add_bench(sub) -> None:
     p.add_argument("bundle")
     p.add_argument("--prompts", required=True, metavar="FILE.jsonl",
                    help="prompt suite (the repo's: tools/prompts/suite.jsonl)")
-    p.add_argument("--proposers", type=_names, default=["none", "ngram", "draft"], metavar="P1,P2",
-                   help="proposers to run besides plain decode (default none,ngram,draft)")
+    p.add_argument("--proposers", type=_names, default=None, metavar="P1,P2",
+                   help="proposers to run besides plain decode, from ngram and draft (default: ngram, and draft "
+                        "when the bundle has one)")
     p.add_argument("--gamma", type=_ints, default=[2, 4, 8], metavar="G1,G2", help="gammas (default 2,4,8)")
     p.add_argument("--repeats", type=int, default=3, help="runs per prompt and configuration; medians (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=128,

@@ -117,6 +117,10 @@ def test_unknown_peer_and_missing_draft(tiny_bundle, prompts, tiny_models, tmp_p
                   progress=False)
     r = bench(out, "--prompts", prompts, "--proposers", "ngram,draft", "--gamma", "4")
     assert r.returncode == 2 and "needs a bundle with a draft model" in r.stderr
+    # without --proposers: what the bundle can run (prompt lookup here)
+    r = bench(out, "--prompts", prompts, "--gamma", "4", "--repeats", "1", "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "| grounded | ngram g=4 |" in r.stdout and "| grounded | draft" not in r.stdout
 
 
 class FakeLlama:

@@ -240,7 +240,7 @@ def write_plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list[int], repeats: int = 3,
+def run_bench(bundle: str, prompts_path: str, proposers: list[str] | None, gammas: list[int], repeats: int = 3,
               max_new_tokens: int = 128, threads: int | None = 2, compare: list[str] | None = None,
               kinds: list[str] | None = None, limit: int | None = None, backend: str = "cpu",
               peer_model: str | None = None, adaptive: bool = True, trees: list[int] = (),
@@ -274,6 +274,8 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str], gammas: list
     missing = sorted(set(trees) - set(gen.manifest.target.tree_tokens()))
     if missing:
         raise BenchError(f"--trees {missing[0]}: the bundle has no such tree graph (export with --tree)")
+    if proposers is None:  # every proposer the bundle can run
+        proposers = ["ngram", "draft"] if gen.draft is not None else ["ngram"]
     configs = configs_for(proposers, gammas, gen.draft is not None, trees, history)
     peers = _load_peers(compare or [], gen, bundle, threads, peer_model)
     for peer in peers.values():
