@@ -66,8 +66,8 @@ def _add_export(sub) -> None:
     p.add_argument("--quant-block", type=int, default=None, metavar="N",
                    help="input rows per quantization scale, a power of two in 16..256 (default 32). Smaller blocks "
                    "are closer to float32 and larger; where a CPU computes int4 in the bundle's block inexactly (AVX2-"
-                   "only x86: 32 or more), the runtime loads it in blocks of 16, the same weights; TensorRT's int4 "
-                   "import takes 64 or 128")
+                   "only x86: 32 or more), the runtime decodes in two-row steps (with a T=2 graph) or loads it in "
+                   "blocks of 16, the same weights; TensorRT's int4 import takes 64 or 128")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset}",
@@ -142,7 +142,7 @@ def _add_check(sub) -> None:
     p.add_argument("--exact-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every T-token graph's rows with one-token decode on the chosen backend (default: "
                    "on, except on qnn, where it runs T decode steps per graph, minutes per SmolLM2 graph on the x86 "
-                   "emulator, and for qnn-qdq16 bundles on the CPU, whose kernels are not the HTP's); "
+                   "emulator, and for qnn-qdq16 bundles on any other backend, whose kernels are not the HTP's); "
                    "--no-exact-rows skips it")
 
 
@@ -163,7 +163,7 @@ def _add_sampling(p) -> None:
                    help="hold the stop tokens (EOS) back until N new tokens are out (default 0: off)")
     p.add_argument("--proposer", choices=["draft", "ngram", "none"], default=None,
                    help="where drafts come from: the bundle's draft model, prompt lookup (ngram), or none (plain "
-                   "decode). Default: draft when the bundle has one, else ngram")
+                   "decode). Default: draft when the bundle has one, else ngram (batches, --prompts: ngram)")
     p.add_argument("--gamma", type=int, default=4, help="drafts per round; needs a T=gamma+1 verify graph (default 4)")
     p.add_argument("--fixed-gamma", action="store_true",
                    help="propose gamma drafts every round: no pause after misses, no cut to what a step is measured to "
@@ -485,7 +485,8 @@ def _add_serve(sub) -> None:
                        "not), /v1/models, /health and /metrics. On a batch-1 bundle requests run one at a time on one "
                        "generator; on a bundle exported with --batch B up to B run together (continuous batching). "
                        "Up to --max-queue wait or run, more get 429. A conversation's next turn reuses its cached "
-                       "prefix. Request extensions: proposer, gamma, top_k.")
+                       "prefix. Request extensions (vLLM's names): proposer, gamma, top_k, min_p, repetition_penalty, "
+                       "min_tokens, ignore_eos, stop_token_ids.")
     p.add_argument("bundle")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed at start)")

@@ -319,7 +319,7 @@ def _rows_skipped(backend: str, kind: str, exact_rows: bool | None) -> str | Non
     if kind == "qnn-qdq16":
         # onnxruntime's CPU kernels for QDQ graphs (quantized MatMul, requantization) do not keep a T-token
         # step's rows equal to one-token steps; the flavour is for the HTP.
-        return ("not checked for qnn-qdq16 on the CPU (its CPU kernels are not the HTP's; "
+        return (f"not checked for qnn-qdq16 on {backend} (its kernels are not the HTP's; "
                 "`--backend qnn --exact-rows` checks them on the HTP)")
     return None
 
