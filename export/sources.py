@@ -69,19 +69,21 @@ def is_phi3_part(hf_name: str, c: LlamaConfig) -> bool:
     return c.family == "phi3" and len(parts) == 3 and parts[1] in _PHI3_PARTS
 
 
-def phi3_part(hf_name: str, c: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> np.ndarray:
+def phi3_rows(hf_name: str, c: LlamaConfig) -> tuple[str, tuple[int, int]]:
     """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows in that order; a GGUF keeps them
-    so, as attn_qkv and ffn_up); the graph fuses them itself, from the Llama names."""
+    so, as attn_qkv and ffn_up); the graph fuses them itself, from the Llama names. Returns the fused tensor's
+    name and the rows [first, end) of the part."""
     prefix, part, _ = hf_name.rsplit(".", 2)
     if part in ("q_proj", "k_proj", "v_proj"):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
-        fused = tensor(f"{prefix}.qkv_proj.weight")
-    else:
-        n = c.intermediate_size
-        rows = (0, n) if part == "gate_proj" else (n, 2 * n)
-        fused = tensor(f"{prefix}.gate_up_proj.weight")
-    return np.ascontiguousarray(fused[rows[0]:rows[1]])
+        return f"{prefix}.qkv_proj.weight", {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
+    n = c.intermediate_size
+    return f"{prefix}.gate_up_proj.weight", (0, n) if part == "gate_proj" else (n, 2 * n)
+
+
+def phi3_part(hf_name: str, c: LlamaConfig, tensor: Callable[[str], np.ndarray]) -> np.ndarray:
+    fused, (first, end) = phi3_rows(hf_name, c)
+    return np.ascontiguousarray(tensor(fused)[first:end])
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
@@ -453,9 +455,15 @@ class GGUFSource(Source):
         of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
         input dimension: exactly the ONNX layout, ints and scales copied bit for bit. Q4_1 (f16 d, f16 m, the
         nibbles as Q4_0's; value d * nibble + m) is the offset layout: ints nibble - 8 and scale d copied,
-        offset m + 8d (one float32 rounding at most). Not for Phi-3's fused tensors (their parts are requantized)."""
+        offset m + 8d (one float32 rounding at most). A Phi-3 part is its rows of the fused tensor: blocks run along
+        the input, so the part's columns of the fused blocks are its blocks."""
         if is_phi3_part(hf_name, self.config):
-            return None
+            fused, (first, end) = phi3_rows(hf_name, self.config)
+            b = self.blocks(fused)
+            if b is None:
+                return None
+            part = (lambda a: None if a is None else np.ascontiguousarray(a[:, first:end]))  # [in or in/32, out]
+            return Blocks(part(b.q), part(b.scale), b.bits, b.block, part(b.offset))
         t = self._gguf_tensor(hf_name)
         kind = t.tensor_type.name
         if kind not in ("Q8_0", "Q4_0", "Q4_1") or len(t.shape) != 2:

@@ -297,9 +297,10 @@ def test_quantized_graphs_match_dequantized_oracle(quant_bundles, tiny_models, f
 
 
 # -- GGUF blocks ----------------------------------------------------------------------------------------
-def _write_gguf(path: str, types: dict[str, str]) -> dict[str, np.ndarray]:
+def _write_gguf(path: str, types: dict[str, str], arch: str = "llama") -> dict[str, np.ndarray]:
     """A one-layer llama GGUF (hidden 64, 2 heads of 32, 1 KV head) whose matrices have the given GGML types;
-    returns the float tensors it was made from, by GGUF name."""
+    returns the float tensors it was made from, by GGUF name. `arch` "phi3": q/k/v fused as attn_qkv, gate/up
+    as ffn_up (llama.cpp's layout for Phi-3)."""
     import gguf
 
     rng = np.random.default_rng(3)
@@ -307,11 +308,15 @@ def _write_gguf(path: str, types: dict[str, str]) -> dict[str, np.ndarray]:
     shapes = {"token_embd.weight": (V, E), "blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (32, E),
               "blk.0.attn_v.weight": (32, E), "blk.0.attn_output.weight": (E, E), "blk.0.ffn_gate.weight": (F, E),
               "blk.0.ffn_up.weight": (F, E), "blk.0.ffn_down.weight": (E, F)}
-    w = gguf.GGUFWriter(path, "llama")
+    if arch == "phi3":
+        for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            del shapes[f"blk.0.{part}.weight"]
+        shapes.update({"blk.0.attn_qkv.weight": (E + 64, E), "blk.0.ffn_up.weight": (2 * F, E)})
+    w = gguf.GGUFWriter(path, arch)
     for key, value in (("block_count", 1), ("embedding_length", E), ("feed_forward_length", F),
                        ("attention.head_count", 2), ("attention.head_count_kv", 1), ("vocab_size", V)):
-        getattr(w, "add_uint32")(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        getattr(w, "add_uint32")(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     made = {}
     for name, shape in shapes.items():
         t = rng.standard_normal(shape).astype(np.float32)
@@ -382,6 +387,37 @@ def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits, block):
     scale = stored["layers.0.down.scale"]
     assert scale.shape[0] == down.shape[0] // block
     assert np.array_equal(down * np.repeat(scale, block, axis=0), source.q * np.repeat(source.scale, 32, axis=0))
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_gguf_phi3_fused_blocks_copy_bit_exactly(tmp_path, kind, bits):
+    """A Phi-3 GGUF fuses q/k/v (attn_qkv) and gate/up (ffn_up). Blocks run along the input, so each part is its
+    rows' blocks, copied as they are: the parts dequantize exactly to the rows of gguf's own dequantization of
+    the fused tensor, and the exporter requantizes nothing."""
+    import gguf
+
+    from specedge.export.sources import GGUFSource
+    from specedge.graphs import llama
+
+    path = str(tmp_path / "phi3.gguf")
+    _write_gguf(path, {n: kind for n in ("blk.0.attn_qkv.weight", "blk.0.ffn_up.weight", "blk.0.attn_output.weight",
+                                         "blk.0.ffn_down.weight", "token_embd.weight")}, arch="phi3")
+    src = GGUFSource(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    fused = {n: gguf.quants.dequantize(tensors[n].data, tensors[n].tensor_type).reshape(-1, 64)
+             for n in ("blk.0.attn_qkv.weight", "blk.0.ffn_up.weight")}
+    for part, name, rows in (("self_attn.q_proj", "blk.0.attn_qkv.weight", slice(0, 64)),
+                             ("self_attn.k_proj", "blk.0.attn_qkv.weight", slice(64, 96)),
+                             ("self_attn.v_proj", "blk.0.attn_qkv.weight", slice(96, 128)),
+                             ("mlp.gate_proj", "blk.0.ffn_up.weight", slice(0, 128)),
+                             ("mlp.up_proj", "blk.0.ffn_up.weight", slice(128, 256))):
+        b = src.blocks(f"model.layers.0.{part}.weight")
+        assert (b.bits, b.block) == (bits, 32), part
+        assert np.array_equal(b.q.astype(np.float32) * np.repeat(b.scale, 32, axis=0), fused[name][rows].T), part
+    report = llama.QuantReport()
+    list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(bits=bits, block=32,
+                             head_bits=bits), native=src.blocks, report=report))
+    assert not report.requantized and len(report.native) == 4 + 2
 
 
 def test_gguf_q4_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
