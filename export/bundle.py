@@ -90,8 +90,8 @@ class ExportOptions:
         if max(self.gammas) + 1 >= self.context:
             raise ExportError(f"--gamma {max(self.gammas)} needs a context larger than {max(self.gammas) + 1}")
         if any(t < 2 or t + 1 >= self.context for t in self.tree_sizes):
-            raise ExportError(f"every --tree size must be at least 2 (the pending token and one node) and smaller "
-                              f"than the context, got {','.join(map(str, self.tree_sizes))}")
+            raise ExportError(f"every --tree size must be at least 2 (the pending token and one node) and at most "
+                              f"--context - 2 ({self.context - 2}), got {','.join(map(str, self.tree_sizes))}")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ExportError(f"--draft-layers must be at least 1, not {self.draft_layers}")
         for b in self.context_buckets or ():
@@ -276,6 +276,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
         target.config.check(opts.context)
     except llama.UnsupportedModel as e:
         raise ExportError(f"{target_path}: {e}") from None
+    target.check_shapes()
     draft = None
     vocab = {"target": target.config.vocab_size}
     if draft_path:
@@ -284,6 +285,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             draft.config.check(opts.context)
         except llama.UnsupportedModel as e:
             raise ExportError(f"draft {draft_path}: {e}") from None
+        draft.check_shapes()
         vocab = check_vocab(target, draft)
     if opts.draft_layers is not None:
         if opts.draft_layers >= target.config.num_layers:
@@ -359,14 +361,36 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
         manifest.save(tmp)
         bar.close()
         if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.rename(out, os.path.join(old, "bundle"))
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(tmp, out, parent)
         else:
             os.rename(tmp, out)
         return manifest
-    except BaseException:
+    except BaseException as e:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a quota, a source file gone: one line, not a traceback
+            where = f" ({e.filename})" if e.filename else ""
+            raise ExportError(f"export to {out} failed: {e.strerror or e}{where}") from None
         raise
+
+
+def _replace(tmp: str, out: str, parent: str) -> None:
+    """--force: move the old bundle aside, the new one in, then delete the old one. If a rename fails, the old
+    bundle stays at `out` (put back if it had moved) and the folder it was moved into goes."""
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+    kept = os.path.join(old, "bundle")
+    try:
+        os.rename(out, kept)
+    except OSError as e:
+        os.rmdir(old)
+        raise ExportError(f"cannot replace {out}: {e.strerror or e}") from None
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        try:
+            os.rename(kept, out)
+            os.rmdir(old)
+        except OSError:  # neither bundle can go to `out`: say where the old one is rather than delete it
+            raise ExportError(f"cannot replace {out}: {e.strerror or e}; the old bundle is now {kept}") from None
+        raise ExportError(f"cannot replace {out}: {e.strerror or e}") from None
+    shutil.rmtree(old, ignore_errors=True)

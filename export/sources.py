@@ -30,9 +30,38 @@ class TokenizerInfo:
 class Source:
     path: str
     config: LlamaConfig
+    config_name = "the config"  # where the config came from, for messages
 
     def tensor(self, hf_name: str) -> np.ndarray:  # float32
         raise NotImplementedError
+
+    def shape(self, hf_name: str) -> tuple[int, ...] | None:
+        """A stored tensor's shape in the transformers layout, from the index (no data read); None if absent."""
+        raise NotImplementedError
+
+    def check_shapes(self) -> None:
+        """Refuse, before anything is written, a config that disagrees with the weights: the graphs are built
+        from the config, so a wrong vocab_size or hidden_size would give a bundle that cannot run. Absent
+        tensors are left to tensor(), which names them."""
+        c = self.config
+        hidden, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        expected = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
+        if not c.tie_word_embeddings:
+            expected["lm_head.weight"] = (c.vocab_size, hidden)
+        for i in range(c.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            if c.family == "phi3" and self.shape(a + "qkv_proj.weight") is not None:  # fused (phi3_rows)
+                expected[a + "qkv_proj.weight"] = (q + 2 * kv, hidden)
+                expected[m + "gate_up_proj.weight"] = (2 * inter, hidden)
+            else:
+                expected.update({a + "q_proj.weight": (q, hidden), a + "k_proj.weight": (kv, hidden),
+                                 a + "v_proj.weight": (kv, hidden), m + "gate_proj.weight": (inter, hidden),
+                                 m + "up_proj.weight": (inter, hidden)})
+            expected.update({a + "o_proj.weight": (hidden, q), m + "down_proj.weight": (hidden, inter)})
+        for name, want in expected.items():
+            got = self.shape(name)
+            if got is not None and got != want:
+                raise ExportError(f"{self.path}: {name} has shape {got}, but {self.config_name} implies {want}")
 
     def blocks(self, hf_name: str) -> Blocks | None:
         """The tensor as int blocks in the ONNX layout ([in, out], blocks along `in`), when the source stores it
@@ -167,11 +196,22 @@ def _gemma_settings(family: str, cfg: dict) -> dict:
 
 
 class HFSource(Source):
+    config_name = "config.json"
+
     def __init__(self, path: str):
         self.path = path
-        with open(os.path.join(path, "config.json")) as f:
-            self.raw_config = json.load(f)
-        self.config = config_from_hf(self.raw_config)
+        config = os.path.join(path, "config.json")
+        try:
+            with open(config, "rb") as f:
+                self.raw_config = json.load(f)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise ExportError(f"{config} is not valid JSON: {e}") from None
+        if not isinstance(self.raw_config, dict):
+            raise ExportError(f"{config} is not a JSON object")
+        try:
+            self.config = config_from_hf(self.raw_config)
+        except KeyError as e:  # a field the model cannot be built without
+            raise ExportError(f"{config} has no {e.args[0]}") from None
         self._index: dict[str, tuple[str, str, list[int], int, int]] = {}
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
@@ -180,6 +220,7 @@ class HFSource(Source):
             self._read_header(os.path.join(path, name))
 
     def _read_header(self, file: str) -> None:
+        size = os.path.getsize(file)
         with open(file, "rb") as f:
             try:
                 (n,) = struct.unpack("<Q", f.read(8))
@@ -192,7 +233,13 @@ class HFSource(Source):
             if info["dtype"] not in _SAFETENSORS_DTYPES:
                 raise ExportError(f"{file}: tensor {name} has dtype {info['dtype']}, not one of {list(_SAFETENSORS_DTYPES)}")
             start, end = info["data_offsets"]
+            if 8 + n + end > size:  # a cut-off download: refuse now, not with a reshape error mid-export
+                raise ExportError(f"{file} is truncated: tensor {name} needs bytes {8 + n + start}..{8 + n + end}, "
+                                  f"the file has {size}")
             self._index[name] = (file, info["dtype"], info["shape"], 8 + n + start, end - start)
+
+    def shape(self, hf_name: str) -> tuple[int, ...] | None:
+        return tuple(self._index[hf_name][2]) if hf_name in self._index else None
 
     def tensor(self, hf_name: str) -> np.ndarray:
         if hf_name not in self._index:
@@ -266,6 +313,8 @@ _GGUF_SANDWICH_NAMES = {
 
 
 class GGUFSource(Source):
+    config_name = "the GGUF metadata"
+
     def __init__(self, path: str):
         try:
             import gguf
@@ -428,6 +477,10 @@ class GGUFSource(Source):
                 names = ", ".join(sorted(q.name for q in readable))
                 raise ExportError(f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}, which cannot "
                                   f"be dequantized (readable: {names})")
+
+    def shape(self, hf_name: str) -> tuple[int, ...] | None:
+        t = self._tensors.get(hf_name)
+        return None if t is None else tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions inner first
 
     def _gguf_tensor(self, hf_name: str):
         if hf_name not in self._tensors:

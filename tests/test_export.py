@@ -1,4 +1,5 @@
 """Export: the bundle's shape (static, portable, weights once) and clear refusals of bad input."""
+import errno
 import json
 import os
 import subprocess
@@ -209,7 +210,8 @@ def _unsupported_dir(tmp_path):
     return str(d)
 
 
-def _gguf_with_unreadable_tensor(tmp_path):
+def _gguf_with_unreadable_tensor(tmp_path, embedding=None):
+    """A 16-token GGUF whose embedding is unreadable, or the float32 `embedding` given (numpy [vocab, hidden])."""
     import gguf
 
     path = str(tmp_path / "bad.gguf")
@@ -223,7 +225,10 @@ def _gguf_with_unreadable_tensor(tmp_path):
     w.add_vocab_size(16)
     w.add_context_length(64)
     # Q8_1 has no dequantizer in the gguf package: 16 rows of one 40-byte block (32 values) each.
-    w.add_tensor("token_embd.weight", np.zeros((16, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    if embedding is not None:
+        w.add_tensor("token_embd.weight", embedding)
+    else:
+        w.add_tensor("token_embd.weight", np.zeros((16, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -233,7 +238,7 @@ def _gguf_with_unreadable_tensor(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "no_config", "unsupported_arch", "bad_gguf_type", "small_context",
                                   "untrained_context", "unwritable_out", "gamma_zero", "bad_draft_layers",
-                                  "both_drafts", "vocab_mismatch"])
+                                  "both_drafts", "vocab_mismatch", "tree_over_context"])
 def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_path):
     llama = tiny_models["llama"][0]
     out = tmp_path / "out"
@@ -247,7 +252,8 @@ def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_p
             "gamma_zero": ["--target", llama, "--gamma", "0,4"],
             "bad_draft_layers": ["--target", llama, "--draft-layers", "3"],
             "both_drafts": ["--target", llama, "--draft", tiny_draft_model[0], "--draft-layers", "1"],
-            "vocab_mismatch": ["--target", llama, "--draft", tiny_models["qwen3"][0]]}[case]
+            "vocab_mismatch": ["--target", llama, "--draft", tiny_models["qwen3"][0]],
+            "tree_over_context": ["--target", llama, "--context", "128", "--tree", "127"]}[case]
     if case == "vocab_mismatch":  # same size, one token renamed
         tok = json.load(open(f"{tiny_models['qwen3'][0]}/tokenizer.json"))
         vocab = tok["model"]["vocab"]
@@ -263,7 +269,9 @@ def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_p
                 "untrained_context": "--context 8192 is longer than the 4096 positions the model was trained for",
                 "unwritable_out": "cannot write a bundle at ",
                 "gamma_zero": "at least 1", "bad_draft_layers": "below the target's 3 layers",
-                "both_drafts": "not both", "vocab_mismatch": "differ at id 5"}[case]
+                "both_drafts": "not both", "vocab_mismatch": "differ at id 5",
+                # the rule is T + 1 < context; it used to say "smaller than the context" of a 127 below 128
+                "tree_over_context": "at most --context - 2 (126), got 127"}[case]
     if case == "unwritable_out":  # a folder inside a file: no permission bits involved (tests may run as root)
         (tmp_path / "a_file").write_text("")
         out = tmp_path / "a_file" / "out"
@@ -271,6 +279,125 @@ def test_bad_input_is_one_clear_error(case, tiny_models, tiny_draft_model, tmp_p
     assert r.returncode == 2, r.stdout + r.stderr
     assert expected in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def export_in_process(capsys, *args):
+    """`specedge export ... --quiet` through the CLI's main in this process (to monkeypatch it): (status, stderr)."""
+    from specedge.cli import main
+
+    capsys.readouterr()  # what came before (transformers' progress bars when a test built a model)
+    status = main(["export", *args, "--quiet"])
+    return status, capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_clear_error(tiny_models, tmp_path, monkeypatch, capsys):
+    """An OSError while writing (ENOSPC on a small tmpfs) is one line and status 2, with the temporary directory
+    removed; it used to be a traceback."""
+    from specedge.export import bundle
+
+    def full(path, tensors, on_tensor=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(bundle, "write_weights", full)
+    out = tmp_path / "out"
+    status, err = export_in_process(capsys, "--target", tiny_models["llama"][0], "--out", str(out),
+                                    "--context", "64", "--prefill-chunk", "16")
+    assert status == 2, err
+    assert f"export to {out} failed: No space left on device" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("failing", ["old_aside", "new_in"])
+def test_force_keeps_the_old_bundle_when_the_replacement_fails(failing, tiny_models, tmp_path, monkeypatch, capsys):
+    """--force moves the old bundle aside, then the new one in: if either rename fails (an immutable directory),
+    the old bundle stays where it was and no hidden folder is left; it used to be a traceback and an empty
+    .out.old-* folder (or, on the second rename, the old bundle hidden in it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("old")
+    rename = os.rename
+
+    def refuse(src, dst):  # new_in: the new bundle cannot go in, the old one can go back
+        old_aside, new_in = src == str(out), dst == str(out) and ".out.tmp-" in src
+        if old_aside if failing == "old_aside" else new_in:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), src)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refuse)
+    status, err = export_in_process(capsys, "--target", tiny_models["llama"][0], "--out", str(out), "--force",
+                                    "--context", "64", "--prefill-chunk", "16")
+    assert status == 2, err
+    assert f"cannot replace {out}: Operation not permitted" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert os.listdir(out) == ["manifest.json"] and (out / "manifest.json").read_text() == "old"
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["bad_json", "missing_key", "truncated"])
+def test_a_damaged_hf_directory_is_one_clear_error(damage, tiny_models, tmp_path, capsys):
+    """A config.json that is not JSON or lacks a field, and a cut-off safetensors file, are refused with the file
+    and the problem named; they used to be a JSONDecodeError, a KeyError and a reshape error."""
+    import shutil
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"][0], src)
+    config = src / "config.json"
+    if damage == "bad_json":
+        config.write_text("{bad")
+    elif damage == "missing_key":
+        raw = json.loads(config.read_text())
+        del raw["hidden_size"]
+        config.write_text(json.dumps(raw))
+    else:
+        os.truncate(src / "model.safetensors", 5000)
+    out = tmp_path / "out"
+    status, err = export_in_process(capsys, "--target", str(src), "--out", str(out))
+    assert status == 2, err
+    expected = {"bad_json": f"{config} is not valid JSON: Expecting property name",
+                "missing_key": f"{config} has no hidden_size",
+                "truncated": f"{src / 'model.safetensors'} is truncated: tensor "}[damage]
+    assert expected in err
+    if damage == "truncated":
+        assert err.strip().endswith("the file has 5000")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", ["vocab", "hidden", "phi3_fused", "gguf"])
+def test_a_config_that_disagrees_with_the_weights_is_refused(case, tiny_models, tmp_path, capsys):
+    """The graphs are built from the config: one that disagrees with the tensors' shapes gave a bundle that
+    cannot run, with status 0. It is refused before anything is written, from the shapes in the index."""
+    import shutil
+
+    from models import make_hf_model
+
+    src = tmp_path / "model"
+    if case == "gguf":  # 16 tokens of 8 in the metadata, an embedding of 20 rows
+        src = _gguf_with_unreadable_tensor(tmp_path, embedding=np.zeros((20, 8), np.float32))
+    elif case == "phi3_fused":  # qkv_proj and gate_up_proj: their fused shapes
+        make_hf_model(str(src), "phi3", layers=1)
+    else:
+        shutil.copytree(tiny_models["llama"][0], src)
+    if case != "gguf":
+        raw = json.loads((src / "config.json").read_text())
+        raw.update({"vocab": {"vocab_size": 2000}, "hidden": {"hidden_size": 128},
+                    "phi3_fused": {"intermediate_size": 256}}[case])
+        (src / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    status, err = export_in_process(capsys, "--target", str(src), "--out", str(out), "--context", "64",
+                                    "--prefill-chunk", "16")
+    assert status == 2, err
+    expected = {"vocab": "model.embed_tokens.weight has shape (1000, 64), but config.json implies (2000, 64)",
+                "hidden": "model.embed_tokens.weight has shape (1000, 64), but config.json implies (1000, 128)",
+                "phi3_fused": "model.layers.0.mlp.gate_up_proj.weight has shape (256, 64), but config.json implies "
+                              "(512, 64)",
+                "gguf": "model.embed_tokens.weight has shape (20, 8), but the GGUF metadata implies (16, 8)"}[case]
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists() and leftovers(tmp_path) == []
 
 
