@@ -70,14 +70,57 @@ def write_index(path: str, refs: dict[str, WeightRef]) -> None:
 
 
 def read_index(path: str) -> dict[str, WeightRef]:
+    """The weights index at `path`, every entry checked for what the runtime reads of it: a bad one is a
+    BundleError naming it (map_weights checks the entries against the weights file's size)."""
     try:
         with open(path) as f:
             raw = json.load(f)
-        return {n: WeightRef(n, v["dtype"], tuple(v["shape"]), int(v["offset"]), int(v["length"])) for n, v in raw.items()}
     except FileNotFoundError:
         raise BundleError(f"weights index missing: {path}") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except OSError as e:  # a directory, no permission
+        raise BundleError(f"weights index {path} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
         raise BundleError(f"weights index {path} is corrupt ({e})") from None
+    if not isinstance(raw, dict):
+        raise BundleError(f"weights index {path} is corrupt: it holds a JSON {_json_type(raw)}, not an object")
+    try:
+        return {name: _weight_ref(name, v) for name, v in raw.items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"weights index {path} is corrupt: {_what(e)}") from None
+
+
+def _weight_ref(name: str, v) -> WeightRef:
+    if not isinstance(v, dict):
+        raise TypeError(f"entry {name!r} is a JSON {_json_type(v)}, not an object")
+    missing = [k for k in ("dtype", "shape", "offset", "length") if k not in v]
+    if missing:
+        raise ValueError(f"entry {name!r} has no {', '.join(map(repr, missing))}")
+    if not isinstance(v["dtype"], str):
+        raise TypeError(f"entry {name!r}: dtype must be a string, not {v['dtype']!r}")
+    if not isinstance(v["shape"], list):
+        raise TypeError(f"entry {name!r}: shape must be a list of integers, not {v['shape']!r}")
+    shape = tuple(_int(d, f"entry {name!r}: shape {v['shape']}: every dim", 0) for d in v["shape"])
+    return WeightRef(name, v["dtype"], shape, _int(v["offset"], f"entry {name!r}: offset", 0),
+                     _int(v["length"], f"entry {name!r}: length", 0))
+
+
+def _int(value, what: str, low: int = 1) -> int:
+    """An integer field, checked: int() would take "30" or 1.5 without a word, and JSON's true is an int to Python."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    if value < low:
+        raise ValueError(f"{what} must be at least {low}, not {value}")
+    return value
+
+
+def _json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _what(e: Exception) -> str:
+    """A parse error's text for a message: a KeyError's own text is only the quoted key."""
+    return f"missing field {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
 
 
 @dataclass(frozen=True)
@@ -218,17 +261,28 @@ class Manifest:
             json.dump(self.to_json(), f, indent=2)
 
 
-def _model_from_json(name: str, d: dict) -> ModelEntry:
+def _model_from_json(path: str, name: str, d) -> ModelEntry:
     try:
+        if not isinstance(d, dict):
+            raise TypeError(f"it is a JSON {_json_type(d)}, not an object")
         dims = C.ModelDims.from_json(d)
-        graphs = [GraphEntry(int(g["tokens"]), g["role"], g["file"], int(g.get("context", d["context"])),
-                             bool(g.get("step_mask", False)), None if g.get("batch") is None else int(g["batch"]))
-                  for g in d["graphs"]]
+        for k in C.ModelDims.__dataclass_fields__:  # the shapes of every buffer and graph input follow from them
+            if k != "dtype":
+                _int(getattr(dims, k), k)
+        if not isinstance(d["graphs"], list):
+            raise TypeError(f"graphs must be a list, not {d['graphs']!r}")
+        graphs = [_graph_from_json(g, dims.context) for g in d["graphs"]]
+        for k in ("family", "weights"):
+            if not isinstance(d[k], str):
+                raise TypeError(f"{k} must be a string, not {d[k]!r}")
+        if not isinstance(d.get("quant"), (dict, type(None))):
+            raise TypeError(f"quant must be an object, not {d['quant']!r}")
         entry = ModelEntry(dims=dims, family=d["family"], weights=d["weights"], graphs=graphs,
                            source=d.get("source", ""), layers_of=d.get("layers_of"), quant=d.get("quant"))
         entry.quant_spec  # a malformed quant record fails here, as a BundleError
-    except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"manifest: model '{name}' is malformed ({type(e).__name__}: {e})") from None
+        entry.session_config
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BundleError(f"{path} is corrupt: models.{name}: {_what(e)}") from None
     if dims.dtype not in C.DTYPES:
         raise BundleError(f"manifest: model '{name}' has dtype {dims.dtype}, expected one of {C.DTYPES}")
     for g in graphs:
@@ -248,6 +302,20 @@ def _model_from_json(name: str, d: dict) -> ModelEntry:
     return entry
 
 
+def _graph_from_json(g, model_context: int) -> GraphEntry:
+    if not isinstance(g, dict):
+        raise TypeError(f"graph entry {g!r} is not an object")
+    if not isinstance(g["file"], str) or not isinstance(g["role"], str):
+        raise TypeError(f"graph entry {g!r}: file and role must be strings")
+    where = f"graph {g['file']}:"
+    if not isinstance(g.get("step_mask", False), bool):
+        raise TypeError(f"{where} step_mask must be true or false, not {g['step_mask']!r}")
+    batch = g.get("batch")
+    return GraphEntry(_int(g["tokens"], f"{where} tokens"), g["role"], g["file"],
+                      _int(g.get("context", model_context), f"{where} context"), g.get("step_mask", False),
+                      None if batch is None else _int(batch, f"{where} batch"))
+
+
 def load_manifest(bundle_dir: str) -> Manifest:
     path = os.path.join(bundle_dir, MANIFEST)
     if not os.path.isdir(bundle_dir):
@@ -257,24 +325,52 @@ def load_manifest(bundle_dir: str) -> Manifest:
             d = json.load(f)
     except FileNotFoundError:
         raise BundleError(f"{bundle_dir} has no {MANIFEST} (not a specedge bundle)") from None
+    except OSError as e:  # a directory, no permission
+        raise BundleError(f"{path} cannot be read ({e.strerror or e})") from None
     except ValueError as e:
         raise BundleError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise BundleError(f"{path} is corrupt: it holds a JSON {_json_type(d)}, not an object")
     if d.get("format") != FORMAT:
         raise BundleError(f"{path}: format is {d.get('format')!r}, expected {FORMAT!r}")
-    if d.get("version") not in READABLE_VERSIONS:
-        raise BundleError(f"{path}: bundle version {d.get('version')} is not supported (this specedge reads "
+    version = d.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise BundleError(f"{path} is corrupt: version must be an integer, not {version!r}")
+    if version not in READABLE_VERSIONS:
+        raise BundleError(f"{path}: bundle version {version} is not supported (this specedge reads "
                           f"{', '.join(map(str, READABLE_VERSIONS))}; re-export the bundle with this specedge)")
     models = d.get("models") or {}
+    if not isinstance(models, dict):
+        raise BundleError(f"{path} is corrupt: models must be an object, not a JSON {_json_type(models)}")
     if "target" not in models:
         raise BundleError(f"{path}: no models.target")
     unknown = set(models) - set(MODEL_NAMES)
     if unknown:
         raise BundleError(f"{path}: unknown models {sorted(unknown)}")
-    tok = d.get("tokenizer") or {}
-    return Manifest(
-        models={k: _model_from_json(k, v) for k, v in models.items()},
-        tokenizer=TokenizerEntry(files=list(tok.get("files", [])), bos_id=tok.get("bos_id"),
-                                 eos_ids=list(tok.get("eos_ids", [])), chat_template=tok.get("chat_template")),
-        opset=int(d.get("opset", C.OPSET)), portable=bool(d.get("portable", True)),
-        export=dict(d.get("export", {})), vocab=dict(d.get("vocab", {})),
-    )
+    entries = {k: _model_from_json(path, k, v) for k, v in models.items()}
+    try:  # what the runtime reads of the rest, checked here: a bad field is this one message, not a traceback later
+        tok = d.get("tokenizer") or {}
+        bos_id, eos_ids, files = tok.get("bos_id"), tok.get("eos_ids", []), tok.get("files", [])
+        if not isinstance(eos_ids, list) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise TypeError("tokenizer.eos_ids must be a list of token ids, tokenizer.files a list of paths")
+        for token in eos_ids:
+            _int(token, "every tokenizer.eos_ids entry", 0)
+        if bos_id is not None:
+            _int(bos_id, "tokenizer.bos_id", 0)
+        template = tok.get("chat_template")
+        if not isinstance(template, (str, type(None))):
+            raise TypeError(f"tokenizer.chat_template must be a string, not {template!r}")
+        for k in ("export", "vocab"):
+            if not isinstance(d.get(k, {}), dict):
+                raise TypeError(f"{k} must be an object, not {d[k]!r}")
+        manifest = Manifest(
+            models=entries,
+            tokenizer=TokenizerEntry(files=files, bos_id=bos_id, eos_ids=eos_ids, chat_template=template),
+            opset=_int(d.get("opset", C.OPSET), "opset"), portable=bool(d.get("portable", True)),
+            export=dict(d.get("export", {})), vocab=dict(d.get("vocab", {})),
+        )
+        for k in entries:
+            manifest.logits_scale(k)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BundleError(f"{path} is corrupt: {_what(e)}") from None
+    return manifest

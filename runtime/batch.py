@@ -471,10 +471,10 @@ def _prefill_rows(runner: ModelRunner, pending: list[list[int]]) -> list[int]:
 class BatchGenerator:
     def __init__(self, bundle_dir: str, manifest, backend):
         self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
+        self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)  # first: a bad file fails before the caches
         self.target = ModelRunner("target", bundle_dir, manifest.target, backend,
                                   logits_scale=manifest.logits_scale("target"))
         self.batch = manifest.target.dims.batch
-        self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self.draft = None
         if manifest.draft:
@@ -491,10 +491,14 @@ class BatchGenerator:
         manifest = load_manifest(bundle)
         check_vocab(manifest)
         engine = create_backend(backend, threads)
-        for weights in {m.weights for m in manifest.models.values()}:
-            engine.add_weights_file(os.path.join(bundle, weights),
-                                    read_index(os.path.join(bundle, weights_index_file(weights))))
-        gen = cls(bundle, manifest, engine)
+        try:
+            for weights in {m.weights for m in manifest.models.values()}:
+                engine.add_weights_file(os.path.join(bundle, weights),
+                                        read_index(os.path.join(bundle, weights_index_file(weights))))
+            gen = cls(bundle, manifest, engine)
+        except BaseException:  # a bad weights index or tokenizer file: let go of the weights files mapped so far
+            engine.close()
+            raise
         gen.runner.output_history = history
         return gen
 

@@ -58,6 +58,7 @@ class Generator:
         self.bundle_dir = bundle_dir
         self.manifest = manifest
         self.backend = backend
+        self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)  # first: a bad file fails before the caches
         self.target = ModelRunner("target", bundle_dir, manifest.target, backend,
                                   logits_scale=manifest.logits_scale("target"))
         self.draft = None
@@ -65,7 +66,6 @@ class Generator:
             shares = self.target if shares_target_cache(manifest) else None
             self.draft = ModelRunner("draft", bundle_dir, manifest.draft, backend, shares=shares,
                                      logits_scale=manifest.logits_scale("draft"), draft_of=manifest.target)
-        self.tokenizer = Tokenizer.from_bundle(bundle_dir, manifest)
         self.eos_ids = list(manifest.tokenizer.eos_ids)
         self._sessions_seen = (0, 0)
         self.active_session = None  # the runtime.session.Session whose entries the caches hold, if any
@@ -84,10 +84,14 @@ class Generator:
                               "--prompts FILE.jsonl (runtime.batch.BatchGenerator), or export with --batch 1")
         check_vocab(manifest)
         engine = create_backend(backend, threads)
-        for weights in {m.weights for m in manifest.models.values()}:
-            index = read_index(os.path.join(bundle, weights_index_file(weights)))
-            engine.add_weights_file(os.path.join(bundle, weights), index)
-        gen = cls(bundle, manifest, engine)
+        try:
+            for weights in {m.weights for m in manifest.models.values()}:
+                index = read_index(os.path.join(bundle, weights_index_file(weights)))
+                engine.add_weights_file(os.path.join(bundle, weights), index)
+            gen = cls(bundle, manifest, engine)
+        except BaseException:  # a bad weights index or tokenizer file: let go of the weights files mapped so far
+            engine.close()
+            raise
         gen.output_history = history
         return gen
 
@@ -446,6 +450,9 @@ def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma:
 def check_gamma(manifest: Manifest, gamma: int) -> None:
     """A draft length needs the target's verify graph T = gamma + 1."""
     verify = [t - 1 for t in manifest.target.step_tokens() if t > 1]
+    if gamma < 1:
+        raise GenerationError(f"gamma (drafts per round) must be at least 1, not {gamma}; exported gammas: "
+                              f"{', '.join(map(str, verify)) or 'none'}")
     if gamma not in verify:
         raise GenerationError(f"gamma {gamma} has no verify graph (T={gamma + 1}) in this bundle; "
                               f"exported gammas: {', '.join(map(str, verify)) or 'none'}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import GenerationError
+from ..errors import BundleError, GenerationError
 from ..graphs.manifest import Manifest
 
 
@@ -16,7 +16,11 @@ class Tokenizer:
     def __init__(self, path: str, bos_id: int | None, chat_template: str | None):
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._tok = HFTokenizer.from_file(path)
+        try:
+            self._tok = HFTokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception for unreadable, non-JSON or incomplete files
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BundleError(f"{path} is not a tokenizer the tokenizers package can read: {first}") from None
         self.bos_id = bos_id
         self.chat_template = chat_template
         self._byte_level = _has_decoder(json.loads(self._tok.to_str()).get("decoder"), "ByteLevel")
@@ -60,18 +64,41 @@ class Tokenizer:
                 pass
         return text, None if "\ufffd" in text else text.encode()
 
+    @staticmethod
+    def check_messages(messages) -> list[dict]:
+        """Chat messages as a template takes them: a non-empty list of {role, content} with string content (a
+        list of text parts is joined). Anything else is a GenerationError naming the first bad entry (a
+        template handed a wrong shape renders garbage or fails inside jinja)."""
+        if not isinstance(messages, list) or not messages:
+            raise GenerationError("messages must be a non-empty list")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise GenerationError(f"messages[{i}] must be an object with a role")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise GenerationError(f"messages[{i}].content: only text parts are supported")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise GenerationError(f"messages[{i}].content must be a string")
+            out.append({"role": m["role"], "content": content})
+        return out
+
     def apply_chat_template(self, messages: str | list[dict]) -> list[int]:
         """The chat template rendered for the messages (a string is one user turn) plus the assistant's
         generation prompt, with the settings transformers renders chat templates with."""
         if not self.chat_template:
-            raise GenerationError("this bundle's tokenizer has no chat template; drop --chat")
+            raise GenerationError("this bundle's tokenizer has no chat template: give plain prompts (no --chat, "
+                                  "no 'messages')")
         try:
             import jinja2
             import jinja2.sandbox
         except ImportError:
             raise GenerationError("chat templates need jinja2: pip install 'specedge[text]'") from None
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
+        messages = self.check_messages([{"role": "user", "content": messages}] if isinstance(messages, str)
+                                       else messages)
 
         def raise_exception(message):
             raise GenerationError(f"chat template: {message}")

@@ -19,6 +19,7 @@ from ..runtime.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
 from ..runtime.penalties import MAX_LOGIT_BIAS
 from ..runtime.sampling import is_int
 from ..runtime.stop_strings import check_stop
+from ..runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # n: each choice is a sequence of its own (a batch row, or a run after the others)
 
@@ -216,22 +217,10 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
 
 
 def _messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}]")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
-    return out
+    try:
+        return Tokenizer.check_messages(messages)
+    except GenerationError as e:  # the message starts with the field it is about
+        raise RequestError(str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from None
 
 
 def _prompt(prompt) -> str | list[int]:

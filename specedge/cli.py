@@ -245,27 +245,40 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
 
     from .errors import GenerationError
 
+    from .runtime.generator import token_ids
+
     try:
-        lines = [line for line in open(path) if line.strip()]
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
     except OSError as e:
         raise GenerationError(f"cannot read --prompts {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise GenerationError(f"--prompts {path} is not UTF-8 text (one JSON object per line)") from None
     prompts = []
     for i, line in enumerate(lines, 1):
         try:
             item = json.loads(line)
         except ValueError:
             raise GenerationError(f"{path}:{i} is not a JSON object") from None
-        if not isinstance(item, dict) or not {"prompt", "messages", "prompt_ids"} & set(item):
-            raise GenerationError(f"{path}:{i} needs a 'prompt', 'messages' or 'prompt_ids' field")
-        if "prompt_ids" in item:
-            prompts.append([int(t) for t in item["prompt_ids"]])
-        elif gen.tokenizer is None:
-            raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing); use "
-                                  "'prompt_ids' in --prompts")
-        elif "messages" in item:
-            prompts.append(gen.tokenizer.apply_chat_template(item["messages"]))
-        else:
-            prompts.append(gen.tokenizer.encode(item["prompt"]))
+        fields = {"prompt", "messages", "prompt_ids"} & set(item) if isinstance(item, dict) else set()
+        if len(fields) != 1:
+            raise GenerationError(f"{path}:{i} needs one of 'prompt', 'messages' or 'prompt_ids'")
+        try:
+            if "prompt_ids" in item:
+                if not isinstance(item["prompt_ids"], list):
+                    raise GenerationError("'prompt_ids' must be a list of token ids")
+                prompts.append(token_ids(item["prompt_ids"]))
+            elif gen.tokenizer is None:
+                raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing); use "
+                                      "'prompt_ids'")
+            elif "messages" in item:
+                prompts.append(gen.tokenizer.apply_chat_template(gen.tokenizer.check_messages(item["messages"])))
+            elif not isinstance(item["prompt"], str):
+                raise GenerationError("'prompt' must be a string (token ids go in 'prompt_ids')")
+            else:
+                prompts.append(gen.tokenizer.encode(item["prompt"]))
+        except GenerationError as e:
+            raise GenerationError(f"{path}:{i}: {e}") from None
     return prompts
 
 
@@ -318,9 +331,15 @@ def _logprobs_json(entries) -> dict:
 def _open_session(gen, path: str):
     import os
 
+    from .errors import SessionError
     from .runtime.session import Session
 
-    return Session.load(gen, path) if os.path.exists(path) else Session(gen)
+    if os.path.exists(path):
+        return Session.load(gen, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # found now, not after the generation
+        raise SessionError(f"cannot write session file {path}: {folder} is not a writable folder")
+    return Session(gen)
 
 
 def _run_generate(a) -> int:
@@ -476,7 +495,8 @@ def _add_demo(sub) -> None:
 def _run_demo(a) -> int:
     from .tools.demo import DEMO_GAMMA, DEMO_PROPOSER, run_demo
 
-    return run_demo(a.max_new_tokens, a.proposer or DEMO_PROPOSER, a.gamma or DEMO_GAMMA, a.threads, a.prompt)
+    return run_demo(a.max_new_tokens, a.proposer or DEMO_PROPOSER, DEMO_GAMMA if a.gamma is None else a.gamma,
+                    a.threads, a.prompt)
 
 
 def _add_serve(sub) -> None:
@@ -530,7 +550,7 @@ def _run_serve(a) -> int:
 
     manifest = load_manifest(a.bundle)
     proposer = a.proposer or ("draft" if manifest.draft else "ngram")
-    gamma = a.gamma or (4 if proposer == "draft" else 8)
+    gamma = a.gamma if a.gamma is not None else (4 if proposer == "draft" else 8)
     for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--max-queue", a.max_queue, 1),
                              ("--replicas", a.replicas, 1), ("--session-mb", a.session_mb, 0),
                              ("--history-tokens", a.history_tokens, 0)):

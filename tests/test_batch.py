@@ -680,11 +680,19 @@ def test_generate_cli_runs_a_batch_file(gens, tmp_path):
     assert [row["index"] for row in rows] == [0, 1]
     for prompt, row in zip(PROMPTS, rows):
         assert row["tokens"] == g1.generate(prompt, 12, proposer="ngram", gamma=4).tokens
-    path.write_text('{"nothing": 1}\n')
-    bad = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path)],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "needs a 'prompt', 'messages' or 'prompt_ids' field" in bad.stderr
-    assert "Traceback" not in bad.stderr
+    for line, fragment in ((b'{"nothing": 1}', "needs one of 'prompt', 'messages' or 'prompt_ids'"),
+                           (b'{"prompt": "a", "prompt_ids": [1]}', "needs one of"),
+                           (b'{"prompt": 5}', ":1: 'prompt' must be a string"),
+                           (b'{"prompt_ids": ["a"]}', ":1: the prompt must be integer token ids"),
+                           (b'{"prompt_ids": 7}', "'prompt_ids' must be a list"),
+                           (b'{"messages": "hi"}', ":1: messages must be a non-empty list"),
+                           (b'{"messages": [{"role": "user"}]}', "messages[0].content must be a string"),
+                           (b'\xff\xfe{}', "is not UTF-8 text")):
+        path.write_bytes(line + b"\n")
+        bad = subprocess.run([sys.executable, "-m", "specedge", "generate", bundle, "--prompts", str(path)],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and fragment in bad.stderr, (line, bad.stderr)
+        assert "Traceback" not in bad.stderr
 
 
 def test_rows_draft_from_the_output_history_and_equal_batch_1(gens):

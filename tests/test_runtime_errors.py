@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import CHUNK
 
-from specedge.errors import GenerationError
+from specedge.errors import BundleError, GenerationError
 from specedge.runtime.generator import Generator
 
 
@@ -44,6 +44,9 @@ def assert_clean_error(r, expected):
     (["--prompt-ids", "5,6", "--logprobs", "2"], "--logprobs needs --json"),
     (["--prompt-ids", "5,6", "--json", "--logprobs", "21"], "logprobs must be an int in 0..20"),
     (["--prompt-ids", "5,6", "--threads", "0"], "threads must be at least 1, not 0"),
+    (["--prompt-ids", "5,6", "--threads", "100000"], "threads 100000 is more than 8x this machine's"),
+    (["--prompt-ids", "5,6", "--proposer", "ngram", "--gamma", "0"], "gamma (drafts per round) must be at least 1"),
+    (["--prompt-ids", "5,6", "--session", "/nonexistent/dir/s.bin"], "/nonexistent/dir is not a writable folder"),
     (["--prompt-ids", "5,6", "--temperature", "1", "--seed", "-1"], "seed must be an int >= 0 (or left out), not -1"),
     (["--prompt", "t5 t6", "--chat", "--prompt-ids", "1"], ""),  # argparse: mutually exclusive (exit 2)
 ])
@@ -106,6 +109,33 @@ def damaged(tiny_pair_bundle, tmp_path, how):
         m["version"] = 99
     elif how == "row_graph":  # a row graph (batch 1) in a model of batch 1
         m["models"]["target"]["graphs"][0]["batch"] = 1
+    elif how == "manifest_array":  # valid JSON, but not an object
+        m = [1, 2]
+    elif how == "manifest_dir":
+        os.remove(path)
+        os.mkdir(path)
+        return b
+    elif how == "num_layers_text":
+        m["models"]["target"]["num_layers"] = "30"
+    elif how == "version_text":
+        m["version"] = str(m["version"])
+    elif how.startswith("index_"):
+        index_path = f"{b}/target.weights.json"
+        index = json.load(open(index_path))
+        if how == "index_array":
+            index = []
+        elif how == "index_no_length":
+            del index["embed"]["length"]
+        elif how == "index_negative_offset":
+            index["embed"]["offset"] = -5
+        json.dump(index, open(index_path, "w"))
+        return b
+    elif how == "tokenizer_garbage":
+        open(f"{b}/tokenizer/tokenizer.json", "w").write("garbage, not JSON")
+        return b
+    elif how == "tokenizer_empty":
+        open(f"{b}/tokenizer/tokenizer.json", "w").write("{}")
+        return b
     json.dump(m, open(path, "w"))
     return b
 
@@ -122,6 +152,37 @@ def damaged(tiny_pair_bundle, tmp_path, how):
 def test_corrupt_bundles(tiny_pair_bundle, tmp_path, how, expected):
     b = damaged(tiny_pair_bundle, tmp_path, how)
     assert_clean_error(generate(b, "--prompt-ids", "5,6,7", "--proposer", "draft", "--gamma", "4"), expected)
+
+
+TOKENIZER_UNREADABLE = "tokenizer/tokenizer.json is not a tokenizer the tokenizers package can read: "
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("manifest_array", "manifest.json is corrupt: it holds a JSON array, not an object"),
+    ("manifest_dir", "manifest.json cannot be read (Is a directory)"),
+    ("num_layers_text", "manifest.json is corrupt: models.target: num_layers must be an integer, not '30'"),
+    ("version_text", "manifest.json is corrupt: version must be an integer, not '4'"),
+    ("index_array", "target.weights.json is corrupt: it holds a JSON array, not an object"),
+    ("index_no_length", "target.weights.json is corrupt: entry 'embed' has no 'length'"),
+    ("index_negative_offset", "target.weights.json is corrupt: entry 'embed': offset must be at least 0, not -5"),
+    ("tokenizer_garbage", TOKENIZER_UNREADABLE + "expected value at line 1 column 1"),
+    ("tokenizer_empty", TOKENIZER_UNREADABLE),
+])
+def test_corrupt_bundle_files(tiny_pair_bundle, tmp_path, how, expected):
+    """A bundle file that is valid JSON of the wrong shape, or not what its reader takes, is one clear message
+    everywhere: generate exits 2 with it (as serve and bench, which load the same way; they used to end in an
+    AttributeError, TypeError, IsADirectoryError or ValueError traceback, or the tokenizers package's bare
+    Exception), Generator.load raises it as a BundleError, and check reports it as a FAIL line (it used to pass an
+    unreadable tokenizer)."""
+    b = damaged(tiny_pair_bundle, tmp_path, how)
+    assert_clean_error(generate(b, "--prompt-ids", "5,6,7", "--max-new-tokens", "2"), expected)
+    with pytest.raises(BundleError) as raised:
+        Generator.load(b).close()
+    assert expected in str(raised.value)
+    r = subprocess.run([sys.executable, "-m", "specedge", "check", b, "--no-load"], capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert any(line.startswith("  FAIL") and expected in line for line in r.stdout.splitlines()), r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
 
 
 def test_missing_bundle(tmp_path):

@@ -366,6 +366,17 @@ def check_bundle(bundle: str, load: bool = True, backend: str = "cpu", exact_row
             else:
                 _check_rows(bundle, name, model, report, backend, manifest.logits_scale(name), plan,
                             draft=draft_of is not None)
+    from ..runtime.tokenizer import Tokenizer
+
     for f in manifest.tokenizer.files:
-        report.add(os.path.isfile(os.path.join(bundle, f)), f"tokenizer file {f}" + ("" if os.path.isfile(os.path.join(bundle, f)) else " missing"))
+        if not os.path.isfile(os.path.join(bundle, f)):
+            report.add(False, f"tokenizer file {f} missing")
+        elif f == "tokenizer/tokenizer.json":  # loaded as the runtime loads it (when tokenizers is installed)
+            try:
+                read = Tokenizer.from_bundle(bundle, manifest) is not None
+                report.add(True, f"tokenizer file {f}" + (", read by the tokenizers package" if read else ""))
+            except BundleError as e:
+                report.add(False, str(e))
+        else:
+            report.add(True, f"tokenizer file {f}")
     return report

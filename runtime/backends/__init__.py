@@ -49,14 +49,24 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
     tensors come as PackedInt4 over their packed bytes. Float and int8 tensors of at most PRIVATE_MAX_BYTES
     are private copies instead."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            need = max((r.offset + r.length for r in index.values()), default=0)
-            if size < need:
-                raise BundleError(f"weights file {path} is truncated: {size} bytes, the index needs {need}")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        f = open(path, "rb")
     except FileNotFoundError:
         raise BundleError(f"weights file missing: {path}") from None
+    except OSError as e:  # a directory, no permission
+        raise BundleError(f"weights file {path} cannot be read ({e.strerror or e})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        for name, ref in index.items():  # read_index checked each entry; here they must lie inside the file
+            if ref.offset < 0 or ref.length < 0:
+                raise BundleError(f"weights index entry {name}: offset {ref.offset}, length {ref.length}")
+            if ref.offset + ref.length > size:
+                need = max(r.offset + r.length for r in index.values())
+                raise BundleError(f"weights file {path} is truncated: {size} bytes, the index needs {need} (entry "
+                                  f"{name}: offset {ref.offset}, length {ref.length})")
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file cannot be mapped
+            raise BundleError(f"weights file {path} is empty") from None
     tensors = {}
     for name, ref in index.items():
         if ref.dtype == "int4":
@@ -68,7 +78,9 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
         try:
             dtype = np.dtype(ref.dtype)
         except TypeError:
-            raise BundleError(f"weights index entry {name}: unknown dtype {ref.dtype!r}") from None
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf":  # "object" or "S" would fail in frombuffer, or divide by 0
+            raise BundleError(f"weights index entry {name}: unknown dtype {ref.dtype!r}")
         count = ref.length // dtype.itemsize
         if count != int(np.prod(ref.shape)):
             raise BundleError(f"weights index entry {name}: {ref.length} bytes do not hold {ref.dtype}{list(ref.shape)}")
@@ -144,6 +156,9 @@ def create_backend(name: str = "cpu", threads: int | None = None):
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1):
         # onnxruntime reads 0 as its own default and quietly runs a negative count as that default too
         raise BackendError(f"threads must be at least 1, not {threads!r}")
+    most = 8 * (os.cpu_count() or 1)
+    if threads is not None and threads > most:  # onnxruntime starts them all: 100000 hung the process
+        raise BackendError(f"threads {threads} is more than 8x this machine's {os.cpu_count()} cores ({most})")
     import importlib.util
 
     if importlib.util.find_spec("onnxruntime") is None:  # found, not imported: the C API path needs no Python API
