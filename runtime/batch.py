@@ -42,8 +42,8 @@ from .acceptance import accept_greedy, accept_sampling
 from .backends import create_backend
 from .draft_length import DraftLength, StepWidth
 from .exactness import warn_if_unverified
-from .generator import (GenerationResult, check_min_new_tokens, check_request, check_seed, check_speculation,
-                        check_vocab, shares_target_cache, token_ids)
+from .generator import (GenerationResult, check_min_new_tokens, check_ngram, check_request, check_seed,
+                        check_speculation, check_vocab, shares_target_cache, stop_token_set, token_ids)
 from .kv_cache import SharedKVCache
 from .model import ModelRunner, common_prefix
 from .output_history import HISTORY_N_MIN, OutputHistory, output_history
@@ -143,6 +143,7 @@ class BatchRunner:
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
         check_logprobs(logprobs)
+        stop, ngram = stop_token_set(stop_ids, self.eos_ids), check_ngram(ngram)
         if self.rows[b] is not None:
             raise ValueError(f"row {b} is busy")
         self.warm(gamma if proposer != "none" else 0)
@@ -156,7 +157,7 @@ class BatchRunner:
         rng = np.random.default_rng(seed)
         penalty = None if penalties.off else PenaltyState(penalties, self.target.dims.vocab_size, prompt)
         row = Row(prompt, max_new_tokens, proposer, gamma, params, rng,
-                  set(self.eos_ids if stop_ids is None else stop_ids), ngram,
+                  stop, ngram,
                   DraftLength(gamma if proposer != "none" else 0, adaptive, shrink=proposer == "draft"), stats,
                   Sampler(params, rng, self.target.dims.vocab_size, penalty), prompt[keep:-1], list(prompt),
                   min_new_tokens=min_new_tokens, penalty=penalty, logprobs=logprobs, stop_strings=stop_strings)

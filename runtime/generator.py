@@ -112,8 +112,8 @@ class Generator:
         check_speculation(self.manifest, self.draft is not None, proposer, gamma)
         if proposer != "none":
             warn_if_unverified(self.manifest, self.backend.name, self.bundle_dir)
-        if not is_int(tree):
-            raise GenerationError(f"tree must be an int (0 = chains), not {tree!r}")
+        if not is_int(tree) or tree < 0:
+            raise GenerationError(f"tree must be an int >= 0 (0 = chains), not {tree!r}")
         if tree and proposer != "none":
             trees = self.manifest.target.tree_tokens()
             if tree not in trees:
@@ -219,7 +219,8 @@ class Generator:
             raise GenerationError("logprobs needs logprobs_out, a list to append each token's logprobs to")
         # a TextStream given as `stop` (generate, the CLI) is the caller's view of the output's text
         stop_strings = stop if isinstance(stop, TextStream) else stop_strings_for(self.tokenizer, stop, min_new_tokens)
-        stop = set(self.eos_ids if stop_ids is None else stop_ids)
+        stop = stop_token_set(stop_ids, self.eos_ids)
+        ngram = check_ngram(ngram)
         stats = stats if stats is not None else Stats()
         stats.proposer, stats.gamma, stats.prompt_tokens = proposer, gamma if proposer != "none" else 0, len(prompt)
         tree = tree if proposer != "none" else 0
@@ -414,11 +415,39 @@ def token_ids(prompt_ids, which: str = "") -> list[int]:
     if isinstance(prompt_ids, (str, bytes)):
         raise GenerationError(f"the prompt{which} must be token ids, not text: encode it with the generator's "
                               "tokenizer (tokenizer.encode or apply_chat_template)")
-    ids = list(prompt_ids)
+    try:
+        ids = list(prompt_ids)
+    except TypeError:
+        raise GenerationError(f"the prompt{which} must be a list of token ids, not {prompt_ids!r}") from None
     bad = [t for t in ids if not is_int(t)]
     if bad:
         raise GenerationError(f"the prompt{which} must be integer token ids; it holds {bad[0]!r}")
     return [int(t) for t in ids]
+
+
+def stop_token_set(stop_ids, default: list[int]) -> set[int]:
+    """The ids that end a generation: `default` (the bundle's EOS ids) for None, else a list of token ids
+    (a string would quietly be a set of characters that no token equals)."""
+    if stop_ids is None:
+        return set(default)
+    if isinstance(stop_ids, (str, bytes)) or not all(is_int(t) for t in _iterable(stop_ids, "stop_ids")):
+        raise GenerationError(f"stop_ids must be a list of token ids (or None: the bundle's EOS), not {stop_ids!r}")
+    return {int(t) for t in stop_ids}
+
+
+def check_ngram(ngram) -> tuple[int, int]:
+    """Prompt lookup's suffix lengths (n_min, n_max), 1 <= n_min <= n_max."""
+    pair = list(_iterable(ngram, "ngram"))
+    if len(pair) != 2 or not all(is_int(n) for n in pair) or not 1 <= pair[0] <= pair[1]:
+        raise GenerationError(f"ngram must be (n_min, n_max) with 1 <= n_min <= n_max, not {ngram!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _iterable(value, name: str):
+    try:
+        return list(value)
+    except TypeError:
+        raise GenerationError(f"{name} must be a list, not {value!r}") from None
 
 
 def check_min_new_tokens(min_new_tokens) -> None:

@@ -6,6 +6,7 @@ Errors a user can cause print one line and exit 2; a traceback means a bug in sp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import exit_status
@@ -19,8 +20,18 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def writable_folder_of(path: str) -> str | None:
+    """The folder a file at `path` would go in, when it is missing or not writable (else None): checked before a
+    long run, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return None if os.path.isdir(folder) and os.access(folder, os.W_OK) else folder
+
+
 def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:  # "," or "": a filter that names nothing would quietly be no filter at all
+        raise argparse.ArgumentTypeError(f"expected names separated by commas, got {text!r}")
+    return names
 
 
 def _add_export(sub) -> None:
@@ -329,15 +340,13 @@ def _logprobs_json(entries) -> dict:
 
 
 def _open_session(gen, path: str):
-    import os
-
     from .errors import SessionError
     from .runtime.session import Session
 
     if os.path.exists(path):
         return Session.load(gen, path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # found now, not after the generation
+    folder = writable_folder_of(path)
+    if folder:
         raise SessionError(f"cannot write session file {path}: {folder} is not a writable folder")
     return Session(gen)
 
@@ -447,13 +456,11 @@ def _add_bench(sub) -> None:
 def _run_bench(a) -> int:
     import json
 
-    import os
-
     from .tools.bench import BenchError, render_round_breakdown, render_table, run_bench, write_plot
 
     for option, path in (("--json", a.json), ("--plot", a.plot)):  # before the runs, not after them
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        folder = writable_folder_of(path) if path else None
+        if folder:
             raise BenchError(f"{option} {path}: cannot write into {folder} (missing or not writable)")
     result = run_bench(a.bundle, a.prompts, a.proposers, a.gamma, repeats=a.repeats,
                        max_new_tokens=a.max_new_tokens, threads=a.threads, compare=a.compare, kinds=a.kinds,
@@ -560,6 +567,8 @@ def _run_serve(a) -> int:
         defaults = check_sampling_defaults({f: getattr(a, f) for f in SAMPLING_FIELDS if getattr(a, f) is not None})
     except RequestError as e:
         raise GenerationError(f"--{e.param.replace('_', '-')}: {e.message}" if e.param else e.message) from None
+    if a.replicas != 1 and not a.ray:  # one process serves one generator
+        raise ServeError(f"--replicas {a.replicas} needs --ray (without it one process serves)")
     if a.ray and not 1 <= a.port <= 65535:  # serve_forever checks its own (it also takes 0: any free port)
         raise ServeError(f"--port must be in 1..65535 with --ray, not {a.port}")
     config = ServerConfig(a.bundle, a.backend, a.threads, EngineConfig(proposer, gamma, a.max_tokens, a.max_queue,

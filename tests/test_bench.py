@@ -85,6 +85,8 @@ def test_bad_prompt_files(tiny_bundle, tmp_path, content, expected):
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--temperature", "1", "--top-p", "0"], "top_p"),
     (["--temperature", "0.7", "--compare", "ort-genai"], "--compare runs the peers greedily"),
+    (["--limit", "0"], "--limit must be at least 1, not 0"),  # ran every prompt
+    (["--kinds", ","], "expected names separated by commas"),  # ran every kind
 ])
 def test_bad_options(tiny_bundle, prompts, args, expected):
     r = bench(tiny_bundle, "--prompts", prompts, *args)

@@ -321,3 +321,9 @@ def test_cli_prints_summary_writes_json_and_exit_status(fake, tmp_path, capsys):
                  str(tmp_path / "missing.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specedge loadtest: error: cannot read --prompts") and len(err.strip().splitlines()) == 1
+
+    served = len(rec.bodies)
+    assert _cli(["loadtest", url, "--concurrency", "1", "--requests", "2", "--prompts", good,
+                 "--json", str(tmp_path / "missing" / "r.json")]) == 2
+    assert "missing is missing or not writable" in capsys.readouterr().err
+    assert len(rec.bodies) == served  # refused before any request, not after the run

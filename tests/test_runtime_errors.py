@@ -63,8 +63,14 @@ def test_bad_generation_input(tiny_bundle, args, expected):
     (([5, 6.5], 4), {}, "the prompt must be integer token ids; it holds 6.5"),
     (([5, 6], 4.0), {}, "max_new_tokens must be an int, not 4.0"),
     (([5, 6], 4), {"proposer": "ngram", "gamma": "4"}, "gamma must be an int, not '4'"),
-    (([5, 6], 4), {"proposer": "ngram", "tree": "9"}, "tree must be an int (0 = chains), not '9'"),
-    (([5, 6], 4), {"proposer": "ngram", "ngram": (0, 2)}, "ngram sizes must satisfy 1 <= n_min <= n_max"),
+    (([5, 6], 4), {"proposer": "ngram", "tree": "9"}, "tree must be an int >= 0 (0 = chains), not '9'"),
+    (([5, 6], 4), {"proposer": "ngram", "tree": -1}, "tree must be an int >= 0 (0 = chains), not -1"),
+    (([5, 6], 4), {"proposer": "ngram", "ngram": (0, 2)}, "ngram must be (n_min, n_max) with 1 <= n_min <= n_max"),
+    (([5, 6], 4), {"proposer": "ngram", "ngram": "x"}, "ngram must be (n_min, n_max)"),
+    (([5, 6], 4), {"proposer": "ngram", "ngram": 3}, "ngram must be a list, not 3"),
+    ((None, 4), {}, "the prompt must be a list of token ids, not None"),
+    (([5, 6], 4), {"stop_ids": "x"}, "stop_ids must be a list of token ids"),
+    (([5, 6], 4), {"stop_ids": [2.5]}, "stop_ids must be a list of token ids"),
 ])
 def test_bad_api_input_is_a_generation_error(tiny_bundle, args, kwargs, expected):
     """The embedded runtime's bad arguments are GenerationErrors (ValueErrors) saying what is wrong, not a

@@ -667,8 +667,9 @@ def test_null_sampling_fields_take_the_defaults():
 @pytest.mark.parametrize("flag, value, fragment", [("--temperature", "2.5", "--temperature: temperature must be"),
                                                    ("--top-p", "0", "--top-p: top_p must be in (0, 1]"),
                                                    ("--top-k", "-1", "--top-k: top_k must be a non-negative"),
-                                                   ("--presence-penalty", "3", "--presence-penalty: presence_penalty")])
-def test_serve_refuses_bad_sampling_defaults(tiny_bundle, flag, value, fragment):
+                                                   ("--presence-penalty", "3", "--presence-penalty: presence_penalty"),
+                                                   ("--replicas", "2", "--replicas 2 needs --ray")])
+def test_serve_refuses_bad_defaults_and_options(tiny_bundle, flag, value, fragment):
     """Before loading anything (a server that took the value would listen until the timeout)."""
     r = subprocess.run([sys.executable, "-m", "specedge", "serve", tiny_bundle, "--port", "0", flag, value],
                        capture_output=True, text=True, timeout=120)

@@ -265,6 +265,8 @@ def run_bench(bundle: str, prompts_path: str, proposers: list[str] | None, gamma
     prompts = load_prompts(prompts_path)
     if kinds:
         prompts = [p for p in prompts if p["kind"] in kinds]
+    if limit is not None and limit < 1:
+        raise BenchError(f"--limit must be at least 1, not {limit}")
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
         raise BenchError(f"no prompts of kind {', '.join(kinds or [])} in {prompts_path}")

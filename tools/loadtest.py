@@ -447,6 +447,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """`specedge loadtest`: print the summary, write --json; exit 1 when any request failed or was lost."""
+    from ..cli import writable_folder_of
+
+    folder = writable_folder_of(args.json) if args.json else None
+    if folder:  # before the run, not after it
+        raise GenerationError(f"cannot write --json {args.json}: {folder} is missing or not writable")
     report = run_loadtest_sync(args.url, args.prompts, args.concurrency, args.requests, max_tokens=args.max_tokens,
                                model=args.model, temperature=args.temperature, timeout=args.timeout,
                                min_tokens=args.min_tokens)
