@@ -168,7 +168,7 @@ class Generator:
         return 0
 
     # -- the loop ------------------------------------------------------------------------------------
-    def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
+    def stream(self, prompt_ids, max_new_tokens: int = 128, proposer: str | None = None, gamma: int = 4,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: list[int] | None = None, stats: Stats | None = None,
                ngram: tuple[int, int] = NGRAM_SIZES, adaptive: bool = True, reuse: bool = False,
@@ -184,6 +184,8 @@ class Generator:
         proposer's chain of up to gamma drafts plus alternatives (runtime/tree.py); a round whose proposer
         found no alternative verifies its chain as usual. With `adaptive`, rounds use trees only while tree
         rounds commit more tokens per second than chain rounds (draft_length.TreeChoice).
+
+        `proposer` None: the bundle's draft model when it has one, else prompt lookup (ngram), as the CLI.
 
         `adaptive` lets the draft length follow acceptance (see draft_length.py); gamma is its ceiling.
         `reuse` keeps the cached prefix that the last generation (or a restored session) shares with this
@@ -211,6 +213,8 @@ class Generator:
         params, penalties = sampling_settings(self.target.dims.vocab_size, temperature, top_k, top_p, min_p,
                                               repetition_penalty, presence_penalty, frequency_penalty, logit_bias)
         prompt = token_ids(prompt_ids)
+        if proposer is None:
+            proposer = "draft" if self.draft is not None else "ngram"
         self._validate(prompt, max_new_tokens, proposer, gamma, tree)
         check_min_new_tokens(min_new_tokens)
         check_seed(seed)
@@ -368,7 +372,7 @@ class Generator:
             else:
                 runner.keep_history(committed)
 
-    def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str = "draft", gamma: int = 4,
+    def generate(self, prompt_ids, max_new_tokens: int = 128, proposer: str | None = None, gamma: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop_ids: list[int] | None = None, ngram: tuple[int, int] = NGRAM_SIZES,
                  adaptive: bool = True, reuse: bool = False, tree: int = 0,

@@ -91,6 +91,11 @@ def test_draft_proposer_needs_a_draft(tiny_models, tmp_path):
     export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,)),
                   progress=False)
     assert_clean_error(generate(out, "--prompt-ids", "5,6", "--proposer", "draft"), "needs a bundle with a draft")
+    gen = Generator.load(out)  # the API's default, as the CLI's: prompt lookup where there is no draft model
+    try:
+        assert gen.generate([5, 6, 5, 6, 5], 6).stats.proposer == "ngram"
+    finally:
+        gen.close()
 
 
 def damaged(tiny_pair_bundle, tmp_path, how):
