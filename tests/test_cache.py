@@ -121,6 +121,16 @@ def test_bad_cache_commands_are_one_line_and_exit_2(cache, monkeypatch, capsys, 
     assert len(_names(cache)) == 5  # nothing removed
 
 
+@pytest.mark.parametrize("action", ["list", "clear"])
+def test_a_cache_that_is_a_file_is_one_clear_error(tmp_path, monkeypatch, capsys, action):
+    """SPECEDGE_CACHE naming a file was listed as an empty cache."""
+    path = tmp_path / "cache.txt"
+    path.write_text("not a cache")
+    monkeypatch.setenv("SPECEDGE_CACHE", str(path))
+    assert _status(["cache", action]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err and path.read_text() == "not a cache"
+
+
 def test_cache_command_lists_prunes_and_clears(cache, monkeypatch, capsys):
     monkeypatch.setenv("SPECEDGE_CACHE", str(cache))
     cache_tool.record_source(str(cache / "qnn" / "c"), "/bundles/x/target.step_t9.onnx")

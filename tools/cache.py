@@ -222,6 +222,8 @@ def run(a) -> int:
     from .demo import cache_dir
 
     root = cache_dir()
+    if os.path.exists(root) and not os.path.isdir(root):  # listing it as empty would hide the mistake
+        raise SpecedgeError(f"the cache {root} is a file, not a folder (SPECEDGE_CACHE?)")
     if a.action != "prune" and (a.max_size is not None or a.unused_for is not None):
         raise SpecedgeError("--max-size and --unused-for go with `specedge cache prune`")
     if a.action == "list":
