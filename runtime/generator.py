@@ -434,9 +434,10 @@ def stop_token_set(stop_ids, default: list[int]) -> set[int]:
     (a string would quietly be a set of characters that no token equals)."""
     if stop_ids is None:
         return set(default)
-    if isinstance(stop_ids, (str, bytes)) or not all(is_int(t) for t in _iterable(stop_ids, "stop_ids")):
+    ids = [] if isinstance(stop_ids, (str, bytes)) else _iterable(stop_ids, "stop_ids")
+    if isinstance(stop_ids, (str, bytes)) or not all(is_int(t) for t in ids):
         raise GenerationError(f"stop_ids must be a list of token ids (or None: the bundle's EOS), not {stop_ids!r}")
-    return {int(t) for t in stop_ids}
+    return {int(t) for t in ids}
 
 
 def check_ngram(ngram) -> tuple[int, int]:
