@@ -83,7 +83,7 @@ class Tokenizer:
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise GenerationError(f"messages[{i}].content must be a string")
-            out.append({"role": m["role"], "content": content})
+            out.append({**m, "content": content})  # other keys (a name, tool calls) are the template's to read
         return out
 
     def apply_chat_template(self, messages: str | list[dict]) -> list[int]:
