@@ -319,7 +319,8 @@ def _graph_from_json(g, model_context: int) -> GraphEntry:
 def load_manifest(bundle_dir: str) -> Manifest:
     path = os.path.join(bundle_dir, MANIFEST)
     if not os.path.isdir(bundle_dir):
-        raise BundleError(f"bundle not found: {bundle_dir}")
+        raise BundleError(f"{bundle_dir} is a file, not a bundle directory (export one with `specedge export`)"
+                          if os.path.exists(bundle_dir) else f"bundle not found: {bundle_dir}")
     try:
         with open(path) as f:
             d = json.load(f)

@@ -198,6 +198,8 @@ def test_corrupt_bundle_files(tiny_pair_bundle, tmp_path, how, expected):
 
 def test_missing_bundle(tmp_path):
     assert_clean_error(generate(str(tmp_path / "nope"), "--prompt-ids", "1"), "bundle not found")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # a model file where a bundle belongs
+    assert_clean_error(generate(str(tmp_path / "model.gguf"), "--prompt-ids", "1"), "is a file, not a bundle directory")
 
 
 BLOCK_TORCH = """
