@@ -196,6 +196,15 @@ def test_corrupt_bundle_files(tiny_pair_bundle, tmp_path, how, expected):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("args, expected", [(["--gamma", "0"], "--gamma 0: the demo bundle verifies gammas 1, 2, 4, 8"),
+                                            (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1")])
+def test_bad_demo_input_is_refused_before_the_export(tmp_path, args, expected):
+    r = subprocess.run([sys.executable, "-m", "specedge", "demo", *args], capture_output=True, text=True,
+                       env={**os.environ, "SPECEDGE_CACHE": str(tmp_path / "cache")})
+    assert_clean_error(r, expected)
+    assert not (tmp_path / "cache").exists()  # nothing exported
+
+
 def test_missing_bundle(tmp_path):
     assert_clean_error(generate(str(tmp_path / "nope"), "--prompt-ids", "1"), "bundle not found")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")  # a model file where a bundle belongs

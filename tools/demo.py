@@ -82,10 +82,18 @@ def demo_bundle(progress: bool = True) -> str:
 
 def run_demo(max_new_tokens: int = 128, proposer: str = DEMO_PROPOSER, gamma: int = DEMO_GAMMA,
              threads: int | None = None, prompt: str | None = None) -> int:
+    from ..errors import GenerationError
     from ..runtime.generator import Generator
+    from ..runtime.sampling import is_int
     from ..runtime.stats import Stats
     from ..runtime.text_stream import TextStream
 
+    # what the demo bundle can run, checked before its first export (seconds) rather than after it
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise GenerationError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
+    if gamma not in DEMO_EXPORT["gammas"]:
+        raise GenerationError(f"--gamma {gamma}: the demo bundle verifies gammas "
+                              f"{', '.join(map(str, DEMO_EXPORT['gammas']))}")
     bundle = demo_bundle()
     gen = Generator.load(bundle, threads=threads)
     if gen.tokenizer is None:
