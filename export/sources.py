@@ -105,7 +105,8 @@ def phi3_rows(hf_name: str, c: LlamaConfig) -> tuple[str, tuple[int, int]]:
     prefix, part, _ = hf_name.rsplit(".", 2)
     if part in ("q_proj", "k_proj", "v_proj"):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        return f"{prefix}.qkv_proj.weight", {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}[part]
+        rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+        return f"{prefix}.qkv_proj.weight", rows[part]
     n = c.intermediate_size
     return f"{prefix}.gate_up_proj.weight", (0, n) if part == "gate_proj" else (n, 2 * n)
 
