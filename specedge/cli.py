@@ -10,7 +10,7 @@ import os
 import sys
 
 from .errors import exit_status
-from .tools import cache, loadtest
+from .tools import cache, loadtest, writable_folder_of
 
 
 def _ints(text: str) -> list[int]:
@@ -18,13 +18,6 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def writable_folder_of(path: str) -> str | None:
-    """The folder a file at `path` would go in, when it is missing or not writable (else None): checked before a
-    long run, not after it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    return None if os.path.isdir(folder) and os.access(folder, os.W_OK) else folder
 
 
 def _names(text: str) -> list[str]:

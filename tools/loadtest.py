@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from specedge.errors import GenerationError
+from specedge.tools import writable_folder_of
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -447,8 +448,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """`specedge loadtest`: print the summary, write --json; exit 1 when any request failed or was lost."""
-    from ..cli import writable_folder_of
-
     folder = writable_folder_of(args.json) if args.json else None
     if folder:  # before the run, not after it
         raise GenerationError(f"cannot write --json {args.json}: {folder} is missing or not writable")

@@ -56,10 +56,8 @@ def map_weights(path: str, index: dict[str, WeightRef]) -> tuple[mmap.mmap, dict
         raise BundleError(f"weights file {path} cannot be read ({e.strerror or e})") from None
     with f:
         size = os.fstat(f.fileno()).st_size
-        for name, ref in index.items():  # read_index checked each entry; here they must lie inside the file
-            if ref.offset < 0 or ref.length < 0:
-                raise BundleError(f"weights index entry {name}: offset {ref.offset}, length {ref.length}")
-            if ref.offset + ref.length > size:
+        for name, ref in index.items():  # read_index checked each entry (offsets, lengths >= 0); here they must
+            if ref.offset + ref.length > size:  # lie inside the file
                 need = max(r.offset + r.length for r in index.values())
                 raise BundleError(f"weights file {path} is truncated: {size} bytes, the index needs {need} (entry "
                                   f"{name}: offset {ref.offset}, length {ref.length})")
