@@ -263,14 +263,9 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
                       layers_of="target" if shared is not None else None, quant=quant_record)
 
 
-def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: str | None = None,
-                  force: bool = False, progress: bool = True) -> Manifest:
-    opts.validate()
-    if draft_path and opts.draft_layers:
-        raise ExportError("give either --draft or --draft-layers, not both")
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise ExportError(f"output {out} exists (use --force to replace it)")
+def _read_sources(target_path: str, draft_path: str | None, opts: ExportOptions):
+    """Open the target (and draft) and check them against the options before anything is written:
+    -> (target, draft or None, the manifest's vocab record, the target's tokenizer)."""
     target = open_source(target_path)
     try:
         target.config.check(opts.context)
@@ -292,6 +287,21 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
             raise ExportError(f"--draft-layers {opts.draft_layers} must be below the target's {target.config.num_layers} layers")
         vocab = {"target": target.config.vocab_size, "draft": target.config.vocab_size, "match": "same model"}
     tokenizer = target.tokenizer()
+    return target, draft, vocab, tokenizer
+
+
+def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: str | None = None,
+                  force: bool = False, progress: bool = True) -> Manifest:
+    opts.validate()
+    if draft_path and opts.draft_layers:
+        raise ExportError("give either --draft or --draft-layers, not both")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ExportError(f"output {out} exists (use --force to replace it)")
+    try:
+        target, draft, vocab, tokenizer = _read_sources(target_path, draft_path, opts)
+    except OSError as e:  # a model file that cannot be read (permissions, an I/O error): one line, not a traceback
+        raise ExportError(f"cannot read {e.filename or target_path}: {e.strerror or e}") from None
 
     parent = os.path.dirname(out)
     try:

@@ -196,19 +196,27 @@ def _gemma_settings(family: str, cfg: dict) -> dict:
     return out
 
 
+def json_object(file: str, raw: bytes | None = None) -> dict:
+    """The JSON object in `file` (or in `raw`, its bytes already read); anything else is an ExportError naming it."""
+    try:
+        if raw is None:
+            with open(file, "rb") as f:
+                raw = f.read()
+        value = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ExportError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{file} is not a JSON object")
+    return value
+
+
 class HFSource(Source):
     config_name = "config.json"
 
     def __init__(self, path: str):
         self.path = path
         config = os.path.join(path, "config.json")
-        try:
-            with open(config, "rb") as f:
-                self.raw_config = json.load(f)
-        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-            raise ExportError(f"{config} is not valid JSON: {e}") from None
-        if not isinstance(self.raw_config, dict):
-            raise ExportError(f"{config} is not a JSON object")
+        self.raw_config = json_object(config)
         try:
             self.config = config_from_hf(self.raw_config)
         except KeyError as e:  # a field the model cannot be built without
@@ -262,12 +270,18 @@ class HFSource(Source):
             if os.path.isfile(p):
                 with open(p, "rb") as f:
                     files[name] = f.read()
-        tok_cfg = json.loads(files.get("tokenizer_config.json", b"{}"))
-        gen_cfg = json.loads(files.get("generation_config.json", b"{}"))
+        tok_cfg, gen_cfg = (json_object(os.path.join(self.path, name), files.get(name, b"{}"))
+                            for name in ("tokenizer_config.json", "generation_config.json"))
+        if "tokenizer.json" in files and not isinstance(
+                json_object(os.path.join(self.path, "tokenizer.json"), files["tokenizer.json"]).get("model"), dict):
+            raise ExportError(f"{os.path.join(self.path, 'tokenizer.json')} is not a tokenizers file (no model)")
         files.pop("generation_config.json", None)
         eos = gen_cfg.get("eos_token_id", self.raw_config.get("eos_token_id"))
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
         bos = gen_cfg.get("bos_token_id", self.raw_config.get("bos_token_id"))
+        if not (isinstance(eos_ids, list) and all(type(t) is int for t in eos_ids) and (bos is None or type(bos) is int)):
+            raise ExportError(f"{self.path}: eos_token_id and bos_token_id must be token ids (integers), not "
+                              f"{eos!r} and {bos!r}")
         template = tok_cfg.get("chat_template")
         chat_file = os.path.join(self.path, "chat_template.jinja")
         if template is None and os.path.isfile(chat_file):
@@ -280,8 +294,7 @@ class HFSource(Source):
         p = os.path.join(self.path, "tokenizer.json")
         if not os.path.isfile(p):
             return None
-        with open(p) as f:
-            tok = json.load(f)
+        tok = json_object(p)
         vocab = dict(tok.get("model", {}).get("vocab", {}))
         for added in tok.get("added_tokens", []):
             vocab[added["content"]] = added["id"]

@@ -337,10 +337,15 @@ def test_force_keeps_the_old_bundle_when_the_replacement_fails(failing, tiny_mod
     assert leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("damage", ["bad_json", "missing_key", "truncated"])
+@pytest.mark.parametrize("damage", ["bad_json", "missing_key", "truncated", "unreadable", "bad_tokenizer_config",
+                                    "bad_generation_config", "garbage_tokenizer", "not_a_tokenizer", "eos_string"])
 def test_a_damaged_hf_directory_is_one_clear_error(damage, tiny_models, tmp_path, capsys):
     """A config.json that is not JSON or lacks a field, and a cut-off safetensors file, are refused with the file
-    and the problem named; they used to be a JSONDecodeError, a KeyError and a reshape error."""
+    and the problem named; they used to be a JSONDecodeError, a KeyError and a reshape error. A file that cannot
+    be opened (no read permission: a traceback before) names the file and the OS's reason; a directory in its
+    place stands in for the permission, which the root user of a test machine does not lose. The tokenizer's
+    files: a tokenizer_config.json or generation_config.json that is not JSON was a traceback, a tokenizer.json
+    that is not one (garbage, or JSON without a model) and an EOS id that is a string gave a bundle and exit 0."""
     import shutil
 
     src = tmp_path / "model"
@@ -352,14 +357,30 @@ def test_a_damaged_hf_directory_is_one_clear_error(damage, tiny_models, tmp_path
         raw = json.loads(config.read_text())
         del raw["hidden_size"]
         config.write_text(json.dumps(raw))
-    else:
+    elif damage == "truncated":
         os.truncate(src / "model.safetensors", 5000)
+    elif damage == "unreadable":
+        (src / "model.safetensors").unlink()
+        (src / "model.safetensors").mkdir()
+    else:
+        file, text = {"bad_tokenizer_config": ("tokenizer_config.json", "{bad"),
+                      "bad_generation_config": ("generation_config.json", "[1"),
+                      "garbage_tokenizer": ("tokenizer.json", "garbage"),
+                      "not_a_tokenizer": ("tokenizer.json", '{"version": "1.0"}'),
+                      "eos_string": ("generation_config.json", '{"eos_token_id": "</s>"}')}[damage]
+        (src / file).write_text(text)
     out = tmp_path / "out"
     status, err = export_in_process(capsys, "--target", str(src), "--out", str(out))
     assert status == 2, err
     expected = {"bad_json": f"{config} is not valid JSON: Expecting property name",
                 "missing_key": f"{config} has no hidden_size",
-                "truncated": f"{src / 'model.safetensors'} is truncated: tensor "}[damage]
+                "truncated": f"{src / 'model.safetensors'} is truncated: tensor ",
+                "unreadable": f"cannot read {src / 'model.safetensors'}: Is a directory",
+                "bad_tokenizer_config": f"{src / 'tokenizer_config.json'} is not valid JSON: ",
+                "bad_generation_config": f"{src / 'generation_config.json'} is not valid JSON: ",
+                "garbage_tokenizer": f"{src / 'tokenizer.json'} is not valid JSON: ",
+                "not_a_tokenizer": f"{src / 'tokenizer.json'} is not a tokenizers file",
+                "eos_string": "eos_token_id and bos_token_id must be token ids (integers), not '</s>'"}[damage]
     assert expected in err
     if damage == "truncated":
         assert err.strip().endswith("the file has 5000")
