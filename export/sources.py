@@ -279,7 +279,8 @@ class HFSource(Source):
         eos = gen_cfg.get("eos_token_id", self.raw_config.get("eos_token_id"))
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
         bos = gen_cfg.get("bos_token_id", self.raw_config.get("bos_token_id"))
-        if not (isinstance(eos_ids, list) and all(type(t) is int for t in eos_ids) and (bos is None or type(bos) is int)):
+        ids = isinstance(eos_ids, list) and all(type(t) is int for t in eos_ids)
+        if not (ids and (bos is None or type(bos) is int)):
             raise ExportError(f"{self.path}: eos_token_id and bos_token_id must be token ids (integers), not "
                               f"{eos!r} and {bos!r}")
         template = tok_cfg.get("chat_template")
