@@ -138,3 +138,18 @@ class ContractDriver:
         self.length += n
         logits = out[C.LOGITS][0, :n] if C.LOGITS in out else None
         return logits, new_k[:, 0, :, :n], new_v[:, 0, :, :n]
+
+
+# Tiny Gemma configurations that exercise what each generation adds (tests/test_graph_parity.py, tests/test_qnn.py).
+GEMMA_CASES = [
+    ("gemma", {}),  # GeLU (tanh form), RMSNorm by 1 + weight, embeddings times sqrt(hidden)
+    ("gemma", {"hidden_act": "gelu"}),  # exact GeLU
+    # norms after each block, query_pre_attn_scalar, soft-capped scores (a cap low enough to bend them) and
+    # logits, sliding and full layers alternating
+    ("gemma2", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 3.0,
+                "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # q/k norms, the sliding layers' own RoPE base, the full layers' linear scaling (Gemma 3 4B's)
+    ("gemma3", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+]

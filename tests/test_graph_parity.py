@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHUNK
-from models import FAMILIES, ContractDriver, make_hf_model
+from models import FAMILIES, GEMMA_CASES, ContractDriver, make_hf_model
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import contract as C
@@ -339,20 +339,6 @@ def test_phi3_from_a_gguf_matches_transformers(config, tmp_path):
     gguf_path = _gguf_of(model, str(tmp_path / "m.gguf"), None, arch="phi3", extra=phi3_keys)
     logits = drive(export_for_parity(gguf_path, str(tmp_path / "b")), ids, 3 * CHUNK)[0]
     assert np.abs(logits - ref_logits).max() < LOGIT_TOL
-
-
-GEMMA_CASES = [
-    ("gemma", {}),  # GeLU (tanh form), RMSNorm by 1 + weight, embeddings times sqrt(hidden)
-    ("gemma", {"hidden_act": "gelu"}),  # exact GeLU
-    # norms after each block, query_pre_attn_scalar, soft-capped scores (a cap low enough to bend them) and
-    # logits, sliding and full layers alternating
-    ("gemma2", {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 3.0,
-                "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
-    # q/k norms, the sliding layers' own RoPE base, the full layers' linear scaling (Gemma 3 4B's)
-    ("gemma3", {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
-]
 
 
 @pytest.mark.parametrize("family, config", GEMMA_CASES)

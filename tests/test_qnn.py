@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import CHUNK
+from models import GEMMA_CASES, make_hf_model
 
 from specedge.errors import BackendError, PlacementError
 from specedge.export.bundle import ExportOptions, export_bundle
@@ -198,6 +199,31 @@ def test_check_compares_rows_on_the_htp_when_asked(qnn_fp16_bundle, tiny_bundle,
 
 # -- speculation ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("family, config", GEMMA_CASES, ids=["gemma", "gemma-exact-gelu", "gemma2", "gemma3"])
+def test_gemma_families_in_the_qnn_fp16_flavour(family, config, tmp_path):
+    """What Gemma adds to the step graph (GeLU, exact or in its tanh form; the embedding scale; norms by 1 + w;
+    Gemma 2's soft caps, sandwich norms and sliding layers; Gemma 3's q/k norms and local RoPE base) in the
+    qnn-fp16 flavour, whose fp16 arithmetic on the HTP was untried for these: every node on the emulated HTP,
+    teacher-forced logits within LOGITS_ATOL of the same model's float32 bundle on the CPU, and greedy
+    speculation on QNN equal to plain greedy there (assert_speculation_equals_plain_on_qnn; prompt lookup only:
+    one layer of these tiny Gemmas predicts all three's tokens, so a layer draft is never rejected)."""
+    src = str(tmp_path / "m")
+    make_hf_model(src, family, layers=3, tie=True, **config)
+    bundles = {}
+    for flavour, dtype in (("portable", "float32"), ("qnn-fp16", "float16")):
+        bundles[flavour] = str(tmp_path / flavour)
+        export_bundle(src, bundles[flavour], ExportOptions(context=128, prefill_chunk=CHUNK, dtype=dtype,
+                                                           flavour=flavour), progress=False)
+    cpu, gen = Generator.load(bundles["portable"]), Generator.load(bundles["qnn-fp16"], backend="qnn")
+    try:
+        worst, agree, rows, _ = teacher_forced(gen, cpu)
+        assert worst <= LOGITS_ATOL and agree == rows, (worst, agree, rows)
+        assert_speculation_equals_plain_on_qnn(gen, proposers=("ngram",))
+    finally:
+        gen.close()
+        cpu.close()
+
+
 def test_greedy_speculative_equals_plain_greedy_on_qnn(tiny_bundle, cpu_gen):
     """ngram and the layer draft, with fixed gammas: equal to plain greedy on QNN, with drafts proposed,
     accepted and rejected; plain greedy on QNN agrees with CPU float32 at top-1 (fp16 may flip a near tie, none
@@ -211,8 +237,9 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(tiny_bundle, cpu_gen):
         gen.close()
 
 
-def assert_speculation_equals_plain_on_qnn(gen, trees: tuple[tuple[int, int], ...] = ()) -> list[list[int]]:
-    """ngram and the layer draft at gammas 2 and 4, and as token trees for each (tree T, gamma) of `trees`,
+def assert_speculation_equals_plain_on_qnn(gen, trees: tuple[tuple[int, int], ...] = (),
+                                          proposers: tuple[str, ...] = ("ngram", "draft")) -> list[list[int]]:
+    """`proposers` (ngram and the layer draft) at gammas 2 and 4, and as token trees for each (tree T, gamma) of `trees`,
     equal plain greedy on QNN for three prompts, with drafts proposed, accepted and rejected (and tree rounds
     run), and every graph fully on QNN; returns the plain outputs."""
     prompts = [_prompt(s) for s in (1, 2)]
@@ -221,7 +248,7 @@ def assert_speculation_equals_plain_on_qnn(gen, trees: tuple[tuple[int, int], ..
     # target repeats, so that some of its drafts are accepted.
     prompts.append(prompts[0] + plains[0] + prompts[0])
     plains.append(gen.generate(prompts[-1], NEW, proposer="none", stop_ids=[]).tokens)
-    for proposer in ("ngram", "draft"):
+    for proposer in proposers:
         for tree, gamma in [(0, 2), (0, 4), *trees]:
             proposed = accepted = tree_rounds = 0
             for p, want in zip(prompts, plains):
