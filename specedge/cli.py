@@ -276,7 +276,7 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
                 raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing); use "
                                       "'prompt_ids'")
             elif "messages" in item:
-                prompts.append(gen.tokenizer.apply_chat_template(gen.tokenizer.check_messages(item["messages"])))
+                prompts.append(gen.tokenizer.apply_chat_template(item["messages"]))  # checks them
             elif not isinstance(item["prompt"], str):
                 raise GenerationError("'prompt' must be a string (token ids go in 'prompt_ids')")
             else:
