@@ -470,19 +470,23 @@ def check_seed(seed) -> None:
 def check_speculation(manifest: Manifest, has_draft: bool, proposer: str, gamma: int) -> None:
     """The proposer exists, 'draft' has a draft model to run, and gamma has a verify graph (GenerationError if
     not). One check for a generator, a batch generator and the server's defaults and requests."""
+    check_proposer(has_draft, proposer)
+    if proposer != "none":
+        check_gamma(manifest, gamma)
+
+
+def check_proposer(has_draft: bool, proposer: str) -> None:
     if proposer not in PROPOSERS:
         raise GenerationError(f"unknown proposer {proposer!r}; choose one of {', '.join(PROPOSERS)}")
     if proposer == "draft" and not has_draft:
         raise GenerationError("proposer 'draft' needs a bundle with a draft model (export with --draft or "
                               "--draft-layers), or use --proposer ngram")
-    if proposer != "none":
-        if not is_int(gamma):
-            raise GenerationError(f"gamma must be an int, not {gamma!r}")
-        check_gamma(manifest, gamma)
 
 
 def check_gamma(manifest: Manifest, gamma: int) -> None:
     """A draft length needs the target's verify graph T = gamma + 1."""
+    if not is_int(gamma):
+        raise GenerationError(f"gamma must be an int, not {gamma!r}")
     verify = [t - 1 for t in manifest.target.step_tokens() if t > 1]
     if gamma < 1:
         raise GenerationError(f"gamma (drafts per round) must be at least 1, not {gamma}; exported gammas: "

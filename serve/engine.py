@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import SpecedgeError
-from ..runtime.generator import Generator, check_speculation
+from ..runtime.generator import Generator, check_gamma, check_proposer
 from ..runtime.logprobs import TokenLogprob
 from ..runtime.session import SnapshotStore
 from ..runtime.stats import Stats
@@ -137,11 +137,16 @@ class Engine:
         return ([] if req.ignore_eos else list(self.gen.eos_ids)) + req.stop_token_ids
 
     def _check_speculation(self, req: CompletionRequest) -> None:
+        proposer = req.proposer or self.config.proposer
         try:
-            check_speculation(self.gen.manifest, self.gen.draft is not None, req.proposer or self.config.proposer,
-                              req.gamma or self.config.gamma)
+            check_proposer(self.gen.draft is not None, proposer)
         except SpecedgeError as e:
-            raise RequestError(str(e), param="gamma" if "gamma" in str(e) else "proposer") from None
+            raise RequestError(str(e), param="proposer") from None
+        if proposer != "none":
+            try:
+                check_gamma(self.gen.manifest, req.gamma or self.config.gamma)
+            except SpecedgeError as e:
+                raise RequestError(str(e), param="gamma") from None
 
     @property
     def pending(self) -> int:

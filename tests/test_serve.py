@@ -353,6 +353,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     assert ok.choices[0].message.content
 
 
+def test_a_gamma_without_a_verify_graph_names_the_gamma_parameter(server):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "gamma": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "gamma", r.json()
+
+
 def test_min_tokens_holds_eos_back_as_the_runtime_does(server, batch_server, oracle):
     """A prompt whose plain output ends early on EOS: with min_tokens it runs on, as min_new_tokens does."""
     prompt = next(words(seed, 12) for seed in range(400)
