@@ -42,7 +42,7 @@ class ExportOptions:
     quant: str = "none"  # weight-only quantization: none | int8 | int4
     quant_block: int | None = None  # input rows per scale (default: graphs/quant.py DEFAULT_BLOCK)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
-    quant_scheme: str | None = None  # symmetric (default) or offset (graphs/quant.py)
+    quant_scheme: str | None = None  # symmetric (default), offset or rows (graphs/quant.py)
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
     calibration_prompts: str | None = None  # qnn-qdq16: JSONL prompts to calibrate on (default: the prompt suite)
     calibration_count: int | None = None  # qnn-qdq16: how many of them (default export.qdq.DEFAULT_COUNT)
@@ -352,7 +352,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                     "prefill_chunk": opts.prefill_chunk, "context_buckets": opts.buckets(), "batch": opts.batch,
                     "dtype": opts.dtype, "quant": opts.quant, "quant_block": quant.block if quant else None,
                     "quant_head": f"int{quant.head_bits}" if quant else None,
-                    "quant_scheme": ("offset" if quant.offsets else "symmetric") if quant else None,
+                    "quant_scheme": quant.scheme if quant else None,
                     "draft_layers": opts.draft_layers, "prefill_logits": opts.prefill_logits,
                     "step_mask": opts.step_mask, "tree_sizes": sorted(set(opts.tree_sizes)), "flavour": opts.flavour, "qnn": flavour_record(opts),
                     "target": os.path.basename(os.path.normpath(target_path)),

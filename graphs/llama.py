@@ -329,7 +329,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
         offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
-        found = [native(n) for n, _ in parts] if native else [None]
+        rows = quant.rows and name != "embed"  # one scale per output column: no source stores that
+        found = [native(n) for n, _ in parts] if native and not rows else [None]
         # A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks
         # that divide it (its scale repeated): neither loses anything.
         if all(b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
@@ -350,6 +351,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         if offsets:
             q, scale, offset = quantize_offset_blocks(w, bits, quant.block)
             out = Blocks(q, scale, bits, quant.block, offset)
+        elif rows:
+            out = Blocks(*quantize_blocks(w, bits, w.shape[0]), bits, w.shape[0])
         else:  # the head keeps plain round-to-nearest: a least-squares scale clips its outliers (quantize_blocks)
             out = Blocks(*quantize_blocks(w, bits, quant.block, search=name != "lm_head"), bits, quant.block)
         report.requantized[name] = relative_error(w, out.dequantized())
@@ -532,10 +535,20 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         return g.op("Reshape", x, g.ints(B * T, H * D))
 
     sums = {}  # K -> the block-sum matrix S; input x -> x @ S (the offsets' low-rank term, once per input)
+    if quant is not None and quant.rows:
+        inv127, tiny = g.const(np.float32(1 / 127), "float32"), g.const(np.finfo(np.float32).tiny, "float32")
+        u128 = g.const(np.uint8(128))
 
     def linear(x, weight, name=None, k=None):  # [B*T, in=k] @ [in, out]; MatMul beat Gemm in place, at 1 and 9 rows
         if quant is None:
             return g.op("MatMul", x, g.weight(weight), name=name)
+        if quant.rows:  # integer product of x quantized per row (graphs/quant.py); a zero row gets scale FLT_MIN
+            scale = g.op("Max", g.op("Mul", g.op("ReduceMax", g.op("Abs", x), g.ints(-1), keepdims=1), inv127), tiny)
+            width = g.weights[weight + ".q"].shape[0]  # a block of one row's whole width
+            zero = g.const(np.full((B, T, 1) if weight == "lm_head" else (B * T, 1), 128, np.uint8))  # scale's shape
+            xq = g.op("QuantizeLinear", x, scale, zero, axis=-1, block_size=width)  # uint8 round(x / s) + 128
+            acc = g.op("MatMulInteger", xq, g.weight(weight + ".q"), u128)
+            return g.op("Mul", g.op("Mul", g.op("Cast", acc, to=1), g.weight(weight + ".scale")), scale, name=name)
         # Standard-domain weight-only quantization; onnxruntime fuses the pair into MatMulNBits.
         w = g.op("DequantizeLinear", g.weight(weight + ".q"), g.weight(weight + ".scale"), axis=0,
                  block_size=quant.block)

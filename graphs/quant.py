@@ -33,6 +33,19 @@ and the graph adds the offset's product as a low-rank term: x @ W = x @ Dequanti
 tensors are copied exactly (q - 8, d, m + 8d), so an int4 bundle of a Q4_1 GGUF is that GGUF's model;
 float tensors get min/max round-to-nearest blocks. The embedding and the head stay symmetric.
 
+With `rows` (`--quant int8 --quant-scheme rows`) the products are integer products instead: each weight (the
+head too) is int8 with one scale per output column, W.scale [1, N], and the graph quantizes its input x [M, K]
+itself, one scale per row, s_r = max_k |x[r, k]| / 127:
+
+    y = MatMulInteger(uint8(round(x / s_r) + 128), W_q, a_zero_point=128) * W_scale * s_r
+
+A row's integers depend on that row alone and integer sums are exact, so an M-row product computes every row
+as a one-row product does, on any kernel and any CPU (MatMulNBits needs its kernels to agree, above). Integer
+GEMMs cost little per extra row (onnxruntime's uint8 x int8 kernels: AVX2, AVX-512 VNNI, AMX), so verification
+and prefill steps cost far less than MatMulNBits' rows (benchmarks/w8a8/README.md). The price is precision:
+one activation scale per row instead of per block of 32 (SmolLM2: about 90% top-1 agreement with float32
+against 96%, simulated). The embedding keeps its int8 blocks (`block`).
+
 int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
 """
 from __future__ import annotations
@@ -42,7 +55,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 QUANT_MODES = ("none", "int8", "int4")
-QUANT_SCHEMES = ("symmetric", "offset")
+QUANT_SCHEMES = ("symmetric", "offset", "rows")
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two in 16..256: what MatMulNBits takes
 QUANT_OPSET = 21  # DequantizeLinear with block_size and int4 weights
 QUANT_IR_VERSION = 10  # the IR that introduced int4
@@ -67,14 +80,22 @@ class QuantSpec:
     head_bits: int  # the LM head's bits (8 or 4)
     embed: str = "int8"  # the embedding table [V, E]: int8 in blocks of `block` along E
     offsets: bool = False  # layer weights have a per-block float offset W.offset (see above)
+    rows: bool = False  # int8 products: weights per output column, activations per row, MatMulInteger (see above)
+
+    @property
+    def scheme(self) -> str:
+        return "offset" if self.offsets else "rows" if self.rows else "symmetric"
 
     @property
     def weight_type(self) -> str:
         return f"int{self.bits}"
 
     def to_json(self) -> dict:
-        scheme = ("offset: symmetric blocks along K plus a float offset per block (layer weights), no zero point"
-                  if self.offsets else "symmetric, blockwise along K, no zero point")
+        scheme = {"offset": "offset: symmetric blocks along K plus a float offset per block (layer weights), no zero "
+                            "point",
+                  "rows": "rows: int8 weights with one scale per output column (layers and head), int8 activations "
+                          "with one scale per row, integer products (MatMulInteger); embedding blocks along E",
+                  "symmetric": "symmetric, blockwise along K, no zero point"}[self.scheme]
         return {**asdict(self), "weights": self.weight_type, "scheme": scheme,
                 "opset": QUANT_OPSET, "onnxruntime_session_config": dict(ORT_SESSION_CONFIG),
                 "targets": targets(self)}
@@ -82,12 +103,15 @@ class QuantSpec:
     @classmethod
     def from_json(cls, d: dict) -> "QuantSpec":
         return cls(bits=int(d["bits"]), block=int(d["block"]), head_bits=int(d["head_bits"]),
-                   embed=str(d.get("embed", "int8")), offsets=bool(d.get("offsets", False)))
+                   embed=str(d.get("embed", "int8")), offsets=bool(d.get("offsets", False)),
+                   rows=bool(d.get("rows", False)))
 
 
 def targets(spec: QuantSpec) -> list[str]:
     """Runtimes whose importers take this layout (symmetric signed blocks, no zero point)."""
     out = ["onnxruntime"]
+    if spec.rows:
+        return out  # MatMulInteger: onnxruntime's integer GEMMs (TensorRT and QNN read Q/DQ graphs instead)
     if spec.bits == 4 and spec.head_bits == 4 and spec.block in (64, 128):
         out.append("tensorrt")  # TensorRT's int4 weight-only DequantizeLinear takes 64/128 blocks
     if spec.bits == 8 and spec.head_bits == 8:
@@ -114,7 +138,9 @@ def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: s
     head = head or "int8"
     if head not in ("int8", "int4"):
         raise ValueError(f"--quant-head must be int8 or int4, not {head!r}")
-    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset")
+    if scheme == "rows" and (bits, head) != (8, "int8"):
+        raise ValueError("--quant-scheme rows is int8 only (integer products): use --quant int8 and an int8 head")
+    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset", rows=scheme == "rows")
 
 
 # -- numerics -----------------------------------------------------------------------------------------

@@ -74,9 +74,12 @@ def _add_export(sub) -> None:
                    "blocks of 16, the same weights; TensorRT's int4 import takes 64 or 128")
     p.add_argument("--quant-head", default=None, metavar="{int8,int4}",
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
-    p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset}",
+    p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset,rows}",
                    help="symmetric blocks (default), or blocks plus a float offset per block for the layer weights "
-                   "(GGUF Q4_1's layout, copied exactly; a low-rank product in the graph adds the offsets)")
+                   "(GGUF Q4_1's layout, copied exactly; a low-rank product in the graph adds the offsets), or "
+                   "rows (int8 only: weights per output column, activations quantized per row in the graph, integer "
+                   "products; verify and prefill steps cost far less, exact on every CPU, less precise; "
+                   "--quant-block then applies to the embedding only)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true",

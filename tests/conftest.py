@@ -126,10 +126,10 @@ def smollm2_bundle(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_quant_bundles(smollm2_path, tmp_path_factory):
     """mode -> SmolLM2-135M bundle with weight-only int8 / int4 weights (int4-offset: the GGUF's Q4_1 blocks
-    copied with their offsets) and an 8-layer draft."""
+    copied with their offsets; int8-rows: integer products) and an 8-layer draft."""
     root = tmp_path_factory.mktemp("bundles")
     out = {}
-    for mode in ("int8", "int4", "int4-offset"):
+    for mode in ("int8", "int4", "int4-offset", "int8-rows"):
         out[mode] = str(root / f"smollm2-{mode}")
         export_bundle(smollm2_path, out[mode], ExportOptions(context=1024, draft_layers=8, quant=mode[:4],
                                                              quant_scheme=mode[5:] or None), progress=False)

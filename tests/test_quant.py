@@ -77,7 +77,9 @@ def test_parse_quant_rejects_bad_values():
     assert Q.parse_quant("none", None) is None
     assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8)  # loaded as 16 on AVX2
     assert Q.parse_quant("int8", None) == Q.QuantSpec(bits=8, block=32, head_bits=8)
-    for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2")]:
+    assert Q.parse_quant("int8", None, None, "rows") == Q.QuantSpec(bits=8, block=32, head_bits=8, rows=True)
+    for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2"),
+                 ("int4", None, None, "rows"), ("int8", None, "int4", "rows")]:
         with pytest.raises(ValueError):
             Q.parse_quant(*args)
 
@@ -490,10 +492,11 @@ def test_gguf_other_types_are_requantized_and_reported(tmp_path):
 
 
 # -- exact speculation on quantized graphs ----------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4-offset"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-offset", "int8-rows"])
 def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_path, mode):
-    """Verify rows of a k-row quantized MatMul equal k one-row decode steps bitwise (accuracy level 4), so
-    greedy speculation reproduces the quantized bundle's own plain greedy output exactly."""
+    """Verify rows of a k-row quantized MatMul equal k one-row decode steps bitwise (accuracy level 4; integer
+    products in the rows scheme), so greedy speculation reproduces the quantized bundle's own plain greedy
+    output exactly."""
     from test_generate import prompt_of
 
     out = str(tmp_path / mode)
@@ -529,6 +532,8 @@ def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_pa
     (["--quant-block", "64"], "need --quant"),
     (["--quant-scheme", "offset"], "need --quant"),
     (["--quant", "int4", "--quant-scheme", "zero-point"], "--quant-scheme must be one of"),
+    (["--quant", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
+    (["--quant", "int8", "--quant-head", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
 ])
 def test_bad_quant_options_fail_cleanly(tiny_models, tmp_path, args, message):
     out = tmp_path / "bundle"
@@ -538,6 +543,106 @@ def test_bad_quant_options_fail_cleanly(tiny_models, tmp_path, args, message):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists() and os.listdir(tmp_path) == []  # nothing left behind
+
+
+# -- the rows scheme: integer products ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rows_bundles(tiny_models, tmp_path_factory):
+    """family -> the tiny family as --quant int8 --quant-scheme rows (qwen2: a tied head and biases; qwen3: q/k
+    norms)."""
+    root = tmp_path_factory.mktemp("rows_bundles")
+    out = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        out[family] = str(root / family)
+        export_bundle(tiny_models[family][0], out[family], ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,),
+                                                                         quant="int8", quant_scheme="rows"),
+                      progress=False)
+    return out
+
+
+def test_rows_bundles_are_integer_products_and_pass_check(rows_bundles):
+    """Every weight product (and the head of a step graph) is a MatMulInteger of an int8 weight with one scale
+    per output column; no stored weight is dequantized; check (exact rows included) passes."""
+    for family, bundle in rows_bundles.items():
+        report = check_bundle(bundle)
+        assert report.ok, f"{family}:\n{report.render()}"
+        entry = load_manifest(bundle).target
+        assert entry.quant["rows"] and entry.quant["scheme"].startswith("rows") and entry.quant["targets"] == ["onnxruntime"]
+        for g in entry.graphs:
+            proto = onnx.load(os.path.join(bundle, g.file), load_external_data=False)
+            assert all(n.domain == "" for n in proto.graph.node)
+            stored = {i.name: i for i in proto.graph.initializer}
+            products = [n for n in proto.graph.node if n.op_type == "MatMulInteger"]
+            assert len(products) == 4 * entry.dims.num_layers + (g.role == "step")
+            for n in products:
+                w, s = stored[n.input[1]], stored[n.input[1][:-len(".q")] + ".scale"]
+                assert w.data_type == TensorProto.INT8 and list(s.dims) == [1, w.dims[1]]
+            assert all(n.input[0] not in stored for n in proto.graph.node if n.op_type == "DequantizeLinear")
+
+
+def _rows_oracle_logits(hf_model, bundle, tokens):
+    """transformers with the bundle's weights (int8 times the column scales, read back here) and every linear
+    layer's input quantized per row as the scheme says (round(x / s) * s, s = max|x| / 127, half to even)."""
+    import copy
+
+    import torch
+
+    entry = load_manifest(bundle).target
+    index = read_index(os.path.join(bundle, weights_index_file(entry.weights)))
+    raw = np.fromfile(os.path.join(bundle, entry.weights), dtype=np.uint8)
+
+    def tensor(name):
+        ref = index[name]
+        return raw[ref.offset:ref.offset + ref.length].view(ref.dtype).reshape(ref.shape).astype(np.float32)
+
+    def deq(name):  # [K, N] * [1, N]
+        return tensor(name + ".q") * tensor(name + ".scale")
+
+    model = copy.deepcopy(hf_model)
+    cfg = model.config
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    scale = 1.0 if cfg.model_type == "qwen3" else np.sqrt(D)
+    embed = tensor("embed.q") * np.repeat(tensor("embed.scale"), entry.quant["block"], axis=1)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": deq("lm_head").T}
+    for i in range(cfg.num_hidden_layers):
+        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = deq(p + "qkv").T
+        state[a + "q_proj.weight"] = qkv[:H * D] * scale
+        state[a + "k_proj.weight"], state[a + "v_proj.weight"] = qkv[H * D:(H + Hkv) * D], qkv[(H + Hkv) * D:]
+        state[a + "o_proj.weight"] = deq(p + "o").T
+        state[m + "gate_proj.weight"], state[m + "up_proj.weight"] = np.split(deq(p + "gate_up").T, 2)
+        state[m + "down_proj.weight"] = deq(p + "down").T
+
+    def per_row(module, args):
+        x = args[0]
+        s = x.abs().amax(dim=-1, keepdim=True) * np.float32(1 / 127)
+        return (torch.round(x / s) * s,)
+
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in state.items():
+            params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(per_row)
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rows_graphs_match_a_per_row_quantized_oracle(rows_bundles, tiny_models, family):
+    """The step graph's logits against transformers computing the scheme with the bundle's own integers: within
+    1e-4 of the logit scale (float sums in another order can flip a rounding of x / s at .5, rarely). q/k/v
+    quantized per row of the fused qkv input is the oracle's per-row quantization of the same input to each."""
+    bundle = rows_bundles[family]
+    tokens = np.random.default_rng(1).integers(0, 1000, 21).tolist()
+    want = _rows_oracle_logits(tiny_models[family][1], bundle, tokens)
+    drv = ContractDriver(bundle, session_config=load_manifest(bundle).target.session_config)
+    drv.step(tokens[:CHUNK], "prefill", CHUNK)
+    got = drv.step(tokens[CHUNK:CHUNK + 5], "step", 5)[0]
+    err = np.abs(got - want[CHUNK:CHUNK + 5]).max() / np.abs(want).max()
+    assert err < 1e-4, f"{family}: max error {err:.2e} of the logit scale"
 
 
 def test_check_catches_a_quant_record_that_disagrees_with_the_graphs(quant_bundles, tmp_path):
@@ -551,3 +656,19 @@ def test_check_catches_a_quant_record_that_disagrees_with_the_graphs(quant_bundl
     json.dump(manifest, open(path, "w"))
     report = check_bundle(bundle, load=False)
     assert not report.ok and "block" in report.render()
+
+
+def test_check_catches_a_rows_record_that_disagrees_with_the_graphs(rows_bundles, quant_bundles, tmp_path):
+    """Integer-product graphs under a symmetric record, and MatMulNBits graphs under a rows record, fail."""
+    import shutil
+
+    for source, rows, fragment in ((rows_bundles["llama"], False, "integer products (MatMulInteger), but the"),
+                                   (quant_bundles["llama", "int8"], True, "is not read by an integer product")):
+        bundle = str(tmp_path / f"copy-{rows}")
+        shutil.copytree(source, bundle)
+        path = os.path.join(bundle, "manifest.json")
+        manifest = json.load(open(path))
+        manifest["models"]["target"]["quant"]["rows"] = rows
+        json.dump(manifest, open(path, "w"))
+        report = check_bundle(bundle, load=False)
+        assert not report.ok and fragment in report.render(), report.render()

@@ -1,4 +1,4 @@
-"""SmolLM2-135M as int8 and int4 bundles (and int4 with Q4_1's offsets) on the whole prompt suite: greedy speculative output equals the
+"""SmolLM2-135M as int8 and int4 bundles (and int4 with Q4_1's offsets, and int8 integer products) on the whole prompt suite: greedy speculative output equals the
 bundle's own plain greedy output token for token, for every proposer and every exported gamma. Slow: runs
 in CI, skip locally with -m "not slow".
 
@@ -6,7 +6,8 @@ Why this holds on quantized graphs: the step graphs are position-consistent (doc
 the verify step's row t is computed bit for bit like the one-token decode of the same token, and
 onnxruntime's MatMulNBits at accuracy level 4 (int8 activations) computes each row of a k-row product like a
 one-row product (for int4 on AVX2-only CPUs only in blocks of 16, in which the runtime loads the default blocks
-of 32 there: runtime/kernel_probe.py, runtime/reblock.py). So
+of 32 there: runtime/kernel_probe.py, runtime/reblock.py); the rows scheme's integer products are exact by
+construction. So
 the near-tie rule of issue 8 has epsilon 0: any divergence fails the test, and the failure message reads plain decode's own top-2 logits at that position to show what went wrong. (With the
 version-1 graphs, which summed past and step separately, 32 of 111 int8 runs and 40 of 111 int4 runs
 diverged at top-2 gaps up to 0.46.)
@@ -36,7 +37,7 @@ def next_logits(gen, sequence):
     return np.array(gen.target.run(sequence[-1:])[0])
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4-offset"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-offset", "int8-rows"])
 def test_speculative_equals_plain_on_the_suite(smollm2_quant_bundles, mode):
     gen = Generator.load(smollm2_quant_bundles[mode], threads=2)
     try:

@@ -121,7 +121,9 @@ def _check_graph(bundle: str, name: str, model: ModelEntry, graph: GraphEntry, i
 
     problems = _check_quant(proto, model, qdq)
     spec = model.quant_spec
-    layout = (f"{spec.weight_type} weights in blocks of {spec.block}, head int{spec.head_bits}" if spec else
+    layout = ("int8 integer products (weights per column, activations per row), embedding in blocks of "
+              f"{spec.block}" if spec and spec.rows else
+              f"{spec.weight_type} weights in blocks of {spec.block}, head int{spec.head_bits}" if spec else
               "QDQ weights and activations (qnn-qdq16)" if qdq else "float weights")
     report.add(not problems, f"{label}: {layout} as the manifest says" if not problems else f"{label}: " + "; ".join(problems[:3]))
 
@@ -188,7 +190,11 @@ def _check_quant(proto, model: ModelEntry, qdq: bool = False) -> list[str]:
                             f"the manifest says block {spec.block} on axis 0")
         if len(dq.input) > 2 and dq.input[2]:
             problems.append(f"{dq.input[0]} has a zero point; the layout is symmetric")
-    if spec is not None:  # the offset scheme: every layer weight's product has its offsets' term, and only then
+    if spec is not None and spec.rows:
+        problems += _check_integer_products(proto, model, inits, producers)
+    elif any(n.op_type == "MatMulInteger" for n in proto.graph.node):
+        problems.append(f"integer products (MatMulInteger), but the manifest's scheme is {spec.scheme if spec else 'float'}")
+    elif spec is not None:  # the offset scheme: every layer weight's product has its offsets' term, and only then
         layer_weights = _weight_names(model) - {"embed", "lm_head"}
         read = {w[: -len(".q")] for n in proto.graph.node if n.op_type == "DequantizeLinear" for w in n.input[:1]}
         offsets = {w[: -len(".offset")] for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")
@@ -197,6 +203,39 @@ def _check_quant(proto, model: ModelEntry, qdq: bool = False) -> list[str]:
         if offsets != want:
             problems.append(f"offset products for {sorted(offsets ^ want)[:3]} disagree with the manifest's "
                             f"scheme ({'offset' if spec.offsets else 'symmetric'})")
+    return problems
+
+
+def _check_integer_products(proto, model: ModelEntry, inits: dict, producers: dict) -> list[str]:
+    """The rows scheme (graphs/quant.py): every weight product is a MatMulInteger of the row-quantized input (a
+    QuantizeLinear whose one block spans the row) and an int8 weight [K, N] whose scale is [1, N]; no weight is
+    dequantized into a float product."""
+    import onnx
+
+    problems = []
+    matrices = _weight_names(model) - {"embed"}
+    read = set()
+    for node in proto.graph.node:
+        if node.op_type != "MatMulInteger":
+            continue
+        name = node.input[1][: -len(".q")]
+        read.add(name)
+        stored, scale = inits.get(node.input[1]), inits.get(name + ".scale")
+        if name not in matrices or stored is None or stored.data_type != onnx.TensorProto.INT8:
+            problems.append(f"{node.name} reads {node.input[1]}, not an int8 weight of the model")
+            continue
+        if scale is None or list(scale.dims) != [1, stored.dims[1]]:
+            problems.append(f"{name}.scale is not one scale per output column ([1, {stored.dims[1]}])")
+        quantize = producers.get(node.input[0])
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in quantize.attribute} if quantize else {}
+        if quantize is None or quantize.op_type != "QuantizeLinear" or attrs.get("block_size") != stored.dims[0]:
+            problems.append(f"{node.name}: its input is not quantized with one scale per row")
+    dequantized = {n.input[0] for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+    if dequantized:
+        problems.append(f"{sorted(dequantized)[0]} is dequantized into a float product; the rows scheme has none")
+    unread = {m for m in matrices if m + ".q" in inits} - read
+    if unread:
+        problems.append(f"{sorted(unread)[0]} is not read by an integer product")
     return problems
 
 

@@ -102,6 +102,8 @@ def _describe_bundle(manifest) -> str:
     q = manifest.target.quant
     if not q:
         return manifest.target.dims.dtype
+    if q.get("rows"):
+        return f"int8 per column, activations int8 per row (MatMulInteger), head too, embed int8 b{q['block']}"
     offsets = " + offsets" if q.get("offsets") else ""
     return f"int{q['bits']} b{q['block']}{offsets}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
 
