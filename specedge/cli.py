@@ -108,7 +108,8 @@ def _run_export(a) -> int:
             src = model.quant["source"]
             error = (f" (relative error mean {src['relative_error_mean']:.4f}, max {src['relative_error_max']:.4f} in "
                      f"{src['worst']})" if src["requantized"] else "")
-            scheme = ", offsets per block" if model.quant.get("offsets") else ""
+            scheme = (", offsets per block" if model.quant.get("offsets") else
+                      " (embedding), per column elsewhere, integer products" if model.quant.get("rows") else "")
             print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
                   f"{src['requantized']} requantized{error}")
@@ -278,8 +279,8 @@ def _batch_prompts(gen, path: str) -> list[list[int]]:
             elif gen.tokenizer is None:
                 raise GenerationError("this bundle has no tokenizer (or the tokenizers package is missing); use "
                                       "'prompt_ids'")
-            elif "messages" in item:
-                prompts.append(gen.tokenizer.apply_chat_template(item["messages"]))  # checks them
+            elif "messages" in item:  # checked here too: the template's own call takes a string as one user turn
+                prompts.append(gen.tokenizer.apply_chat_template(gen.tokenizer.check_messages(item["messages"])))
             elif not isinstance(item["prompt"], str):
                 raise GenerationError("'prompt' must be a string (token ids go in 'prompt_ids')")
             else:
