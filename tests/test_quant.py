@@ -132,7 +132,6 @@ def _dequantized_state(bundle: str, cfg) -> dict[str, np.ndarray]:
     entry = load_manifest(bundle).target
     index = read_index(os.path.join(bundle, weights_index_file(entry.weights)))
     raw = np.fromfile(os.path.join(bundle, entry.weights), dtype=np.uint8)
-    block = entry.quant["block"]
 
     def tensor(name):
         ref = index[name]
@@ -142,8 +141,10 @@ def _dequantized_state(bundle: str, cfg) -> dict[str, np.ndarray]:
             return numpy_helper.to_array(t).astype(np.float32)
         return data.view(ref.dtype).reshape(ref.shape).astype(np.float32)
 
-    def deq(name, axis=0):  # blocks of `block` along `axis`, plus each block's offset where there is one
+    def deq(name, axis=0):  # blocks along `axis`, plus each block's offset where there is one
         q, s = tensor(name + ".q"), tensor(name + ".scale")
+        rows = entry.quant.get("rows") and name != "embed"  # one scale per column: a block of the whole input
+        block = q.shape[axis] if rows else entry.quant["block"]
         cut = tuple(slice(0, d) for d in q.shape)
         w = q * np.repeat(s, block, axis=axis)[cut]
         return w + np.repeat(tensor(name + ".offset"), block, axis=axis)[cut] if name + ".offset" in index else w
@@ -164,8 +165,9 @@ def _dequantized_state(bundle: str, cfg) -> dict[str, np.ndarray]:
     return state
 
 
-def _oracle_logits(hf_model, bundle, tokens):
-    """transformers with the bundle's dequantized weights (an untied head: the head is quantized on its own)."""
+def _oracle_logits(hf_model, bundle, tokens, input_hook=None):
+    """transformers with the bundle's dequantized weights (an untied head: the head is quantized on its own);
+    `input_hook`: a forward pre-hook for every linear layer."""
     import copy
 
     import torch
@@ -177,6 +179,10 @@ def _oracle_logits(hf_model, bundle, tokens):
         params = dict(model.named_parameters())
         for name, value in _dequantized_state(bundle, model.config).items():
             params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+        if input_hook is not None:
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.register_forward_pre_hook(input_hook)
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
@@ -581,53 +587,16 @@ def test_rows_bundles_are_integer_products_and_pass_check(rows_bundles):
 
 
 def _rows_oracle_logits(hf_model, bundle, tokens):
-    """transformers with the bundle's weights (int8 times the column scales, read back here) and every linear
-    layer's input quantized per row as the scheme says (round(x / s) * s, s = max|x| / 127, half to even)."""
-    import copy
-
+    """_oracle_logits with every linear layer's input quantized per row as the rows scheme says (round(x / s) * s,
+    s = max|x| / 127, half to even)."""
     import torch
-
-    entry = load_manifest(bundle).target
-    index = read_index(os.path.join(bundle, weights_index_file(entry.weights)))
-    raw = np.fromfile(os.path.join(bundle, entry.weights), dtype=np.uint8)
-
-    def tensor(name):
-        ref = index[name]
-        return raw[ref.offset:ref.offset + ref.length].view(ref.dtype).reshape(ref.shape).astype(np.float32)
-
-    def deq(name):  # [K, N] * [1, N]
-        return tensor(name + ".q") * tensor(name + ".scale")
-
-    model = copy.deepcopy(hf_model)
-    cfg = model.config
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    scale = 1.0 if cfg.model_type == "qwen3" else np.sqrt(D)
-    embed = tensor("embed.q") * np.repeat(tensor("embed.scale"), entry.quant["block"], axis=1)
-    state = {"model.embed_tokens.weight": embed, "lm_head.weight": deq("lm_head").T}
-    for i in range(cfg.num_hidden_layers):
-        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        qkv = deq(p + "qkv").T
-        state[a + "q_proj.weight"] = qkv[:H * D] * scale
-        state[a + "k_proj.weight"], state[a + "v_proj.weight"] = qkv[H * D:(H + Hkv) * D], qkv[(H + Hkv) * D:]
-        state[a + "o_proj.weight"] = deq(p + "o").T
-        state[m + "gate_proj.weight"], state[m + "up_proj.weight"] = np.split(deq(p + "gate_up").T, 2)
-        state[m + "down_proj.weight"] = deq(p + "down").T
 
     def per_row(module, args):
         x = args[0]
         s = x.abs().amax(dim=-1, keepdim=True) * np.float32(1 / 127)
         return (torch.round(x / s) * s,)
 
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, value in state.items():
-            params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(per_row)
-        return model(torch.tensor([tokens])).logits[0].numpy()
+    return _oracle_logits(hf_model, bundle, tokens, input_hook=per_row)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
