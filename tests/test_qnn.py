@@ -199,15 +199,19 @@ def test_check_compares_rows_on_the_htp_when_asked(qnn_fp16_bundle, tiny_bundle,
 
 # -- speculation ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family, config", [*GEMMA_CASES, ("phi3", {"partial_rotary_factor": 0.75, "sliding_window": 6})],
+PHI3_WINDOW = ("phi3", {"partial_rotary_factor": 0.75, "sliding_window": 6})
+
+
+@pytest.mark.parametrize("family, config", [*GEMMA_CASES, PHI3_WINDOW],
                          ids=["gemma", "gemma-exact-gelu", "gemma2", "gemma3", "phi3"])
 def test_gemma_and_phi3_in_the_qnn_fp16_flavour(family, config, tmp_path):
     """What Gemma adds to the step graph (GeLU, exact or in its tanh form; the embedding scale; norms by 1 + w;
     Gemma 2's soft caps, sandwich norms and sliding layers; Gemma 3's q/k norms and local RoPE base) and Phi-3
-    (partial rotary, a window) in the qnn-fp16 flavour, whose fp16 arithmetic on the HTP was untried for these: every node on the emulated HTP,
-    teacher-forced logits within LOGITS_ATOL of the same model's float32 bundle on the CPU, and greedy
-    speculation on QNN equal to plain greedy there (assert_speculation_equals_plain_on_qnn; prompt lookup only:
-    one layer of these tiny Gemmas predicts all three's tokens, so a layer draft is never rejected)."""
+    (partial rotary, a window) in the qnn-fp16 flavour, whose fp16 arithmetic on the HTP was untried for these:
+    every node on the emulated HTP, teacher-forced logits within LOGITS_ATOL of the same model's float32 bundle
+    on the CPU, and greedy speculation on QNN equal to plain greedy there (assert_speculation_equals_plain_on_qnn;
+    prompt lookup only: one layer of these tiny Gemmas predicts all three's tokens, so a layer draft is never
+    rejected)."""
     src = str(tmp_path / "m")
     make_hf_model(src, family, layers=3, tie=family != "phi3", **config)
     bundles = {}
@@ -240,7 +244,8 @@ def test_greedy_speculative_equals_plain_greedy_on_qnn(tiny_bundle, cpu_gen):
 
 def assert_speculation_equals_plain_on_qnn(gen, trees: tuple[tuple[int, int], ...] = (),
                                           proposers: tuple[str, ...] = ("ngram", "draft")) -> list[list[int]]:
-    """`proposers` (ngram and the layer draft) at gammas 2 and 4, and as token trees for each (tree T, gamma) of `trees`,
+    """`proposers` (ngram and the layer draft) at gammas 2 and 4, and as token trees for each (tree T, gamma) of
+    `trees`,
     equal plain greedy on QNN for three prompts, with drafts proposed, accepted and rejected (and tree rounds
     run), and every graph fully on QNN; returns the plain outputs."""
     prompts = [_prompt(s) for s in (1, 2)]

@@ -1,6 +1,6 @@
-"""SmolLM2-135M as int8 and int4 bundles (and int4 with Q4_1's offsets, and int8 integer products) on the whole prompt suite: greedy speculative output equals the
-bundle's own plain greedy output token for token, for every proposer and every exported gamma. Slow: runs
-in CI, skip locally with -m "not slow".
+"""SmolLM2-135M as int8 and int4 bundles (and int4 with Q4_1's offsets, and int8 integer products) on the whole
+prompt suite: greedy speculative output equals the bundle's own plain greedy output token for token, for every
+proposer and every exported gamma. Slow: runs in CI, skip locally with -m "not slow".
 
 Why this holds on quantized graphs: the step graphs are position-consistent (docs/bundle.md, version 2):
 the verify step's row t is computed bit for bit like the one-token decode of the same token, and

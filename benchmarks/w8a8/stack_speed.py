@@ -3,7 +3,8 @@ bundles) against int8 weights with per-row int8 activations through the standard
 
     python benchmarks/w8a8/stack_speed.py [--threads 2] [--rounds 3]
 
-One graph per scheme (and today's int8 layout, MatMulNBits with 8-bit blocks of 32) chains the 120 products of SmolLM2's 30 blocks (qkv 576x960, o 576x576, gate_up
+One graph per scheme (and today's int8 layout, MatMulNBits with 8-bit blocks of 32) chains the 120 products
+of SmolLM2's 30 blocks (qkv 576x960, o 576x576, gate_up
 576x3072, down 1536x576; random weights, so 93 MB of int8 or 47 MB of int4 stream from memory as in a real
 step; no attention, norms or head). Rows M = 1 (decode), 2..17 (verify) and 64 (a prefill chunk); the best
 of `--rounds` interleaved rounds. Also checked:
@@ -47,7 +48,8 @@ def build(kind: str, threads: int, rng, layers: int = LAYERS) -> tuple[ort.Infer
             elif kind == "int8-nbits":  # today's --quant int8: uint8 with the implied zero point 128
                 q = rng.integers(1, 256, (N, K)).astype(np.uint8)
                 scale = ((0.9 + 0.2 * rng.random(N * K // 32)) / (73 * np.sqrt(K))).astype(np.float32)
-                inits += [numpy_helper.from_array(q.reshape(N, K // 32, 32), w), numpy_helper.from_array(scale, w + "s")]
+                inits += [numpy_helper.from_array(q.reshape(N, K // 32, 32), w),
+                          numpy_helper.from_array(scale, w + "s")]
                 nodes.append(helper.make_node("MatMulNBits", [x, w, w + "s"], [y], domain="com.microsoft", K=K, N=N,
                                               bits=8, block_size=32, accuracy_level=4))
             else:
@@ -80,7 +82,8 @@ def build(kind: str, threads: int, rng, layers: int = LAYERS) -> tuple[ort.Infer
               numpy_helper.from_array(np.array(128, np.uint8), "u128")]
     graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", E])],
                               [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["M", E])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
@@ -108,10 +111,12 @@ def main() -> int:
     x9 = rng.standard_normal((9, E)).astype(np.float32)
     for kind, (s, _) in sessions.items():
         rows = np.concatenate([s.run(None, {"x": x9[i:i + 1]})[0] for i in range(9)])
-        print(f"{kind}: a 9-row run equals nine one-row runs bit for bit: {np.array_equal(rows, s.run(None, {'x': x9})[0])}")
+        same = np.array_equal(rows, s.run(None, {"x": x9})[0])
+        print(f"{kind}: a 9-row run equals nine one-row runs bit for bit: {same}")
     block, ref = build("int8", a.threads, rng, layers=1)
     got, want = block.run(None, {"x": x9})[0], reference(x9, ref)
-    print(f"int8, one block: largest relative error against float64 {np.abs(got - want).max() / np.abs(want).max():.1e}")
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"int8, one block: largest relative error against float64 {err:.1e}")
     print("| M | int4 MatMulNBits ms | int8 MatMulNBits ms | int8 MatMulInteger ms | MatMulInteger / int4 |\n"
           "|---|---|---|---|---|")
     for M in (1, 2, 3, 5, 9, 17, 64):
