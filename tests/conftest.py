@@ -6,9 +6,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from models import make_hf_model, make_near_copy, smollm2_gguf  # noqa: E402
+from models import make_hf_model, make_near_copy  # noqa: E402
 
 from specedge.export.bundle import ExportOptions, export_bundle  # noqa: E402
+from specedge.tools.demo import smollm2_gguf  # noqa: E402
 
 CHUNK = 16  # prefill chunk of the tiny bundles
 

