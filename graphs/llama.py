@@ -539,13 +539,14 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         inv127, tiny = g.const(np.float32(1 / 127), "float32"), g.const(np.finfo(np.float32).tiny, "float32")
         u128 = g.const(np.uint8(128))
 
-    def linear(x, weight, name=None, k=None):  # [B*T, in=k] @ [in, out]; MatMul beat Gemm in place, at 1 and 9 rows
+    # [*rows, in=k] @ [in, out]; MatMul beat Gemm in place, at 1 and 9 rows
+    def linear(x, weight, name=None, k=None, rows=(B * T,)):
         if quant is None:
             return g.op("MatMul", x, g.weight(weight), name=name)
         if quant.rows:  # integer product of x quantized per row (graphs/quant.py); a zero row gets scale FLT_MIN
             scale = g.op("Max", g.op("Mul", g.op("ReduceMax", g.op("Abs", x), g.ints(-1), keepdims=1), inv127), tiny)
             width = g.weights[weight + ".q"].shape[0]  # a block of one row's whole width
-            zero = g.const(np.full((B, T, 1) if weight == "lm_head" else (B * T, 1), 128, np.uint8))  # scale's shape
+            zero = g.const(np.full((*rows, 1), 128, np.uint8))  # the scale's shape, as blocked QuantizeLinear wants
             xq = g.op("QuantizeLinear", x, scale, zero, axis=-1, block_size=width)  # uint8 round(x / s) + 128
             acc = g.op("MatMulInteger", xq, g.weight(weight + ".q"), u128)
             return g.op("Mul", g.op("Mul", g.op("Cast", acc, to=1), g.weight(weight + ".scale")), scale, name=name)
@@ -743,7 +744,7 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         # the contract's float32 logits: named here, else by a Cast, after the soft cap if any
         name = C.LOGITS if dt == "float32" and cfg.final_softcap is None else None
         if quant is not None or matmul_head:  # [B, T, E] in, [B, T, V] out: reshaping h costs less than the logits
-            logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name)
+            logits = linear(g.op("Reshape", h, g.ints(B, T, E)), "lm_head", name=name, rows=(B, T))
         else:  # a Gemm per part of the [V, hidden] table (HEAD_PARTS), each logit the same dot product as whole
             parts = [g.op("Gemm", h, g.weight(part), transB=1) for part in head_parts(cfg, g.weights)]
             logits = parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=-1)
