@@ -163,9 +163,9 @@ def exact_block(bits: int, block: int) -> int:
 def inexact_layouts(model) -> list[str]:
     """The weight layouts of a model (layers, head) whose rows differ between row counts on this machine as its
     CPU backends load and run them (row_plan), in words; empty when every product is exact here."""
-    quant, plan = model.quant, row_plan(model, ONNXRUNTIME_CPU[0])
-    if quant.get("rows"):  # integer products: exact at every row count by construction (graphs/quant.py)
+    if model.quant.get("rows"):  # integer products: exact at every row count by construction (graphs/quant.py)
         return []
+    quant, plan = model.quant, row_plan(model, ONNXRUNTIME_CPU[0])
     block = int(quant["block"])
     loaded = {4: plan.int4_block or block, 8: block}
     kinds = sorted({int(quant["bits"]), int(quant["head_bits"])})
