@@ -587,6 +587,27 @@ def test_rows_bundles_are_integer_products_and_pass_check(rows_bundles):
             assert all(n.input[0] not in stored for n in proto.graph.node if n.op_type == "DequantizeLinear")
 
 
+def test_onnxruntime_runs_every_rows_product_as_an_integer_product(rows_bundles, tmp_path):
+    """The optimized graph onnxruntime runs keeps one MatMulInteger per weight product (the head's too) and no
+    float product reads a stored weight: the speed of the scheme is its integer kernels'."""
+    import onnxruntime as ort
+
+    bundle = rows_bundles["llama"]
+    entry = load_manifest(bundle).target
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    for key, value in entry.session_config.items():
+        so.add_session_config_entry(key, value)
+    so.optimized_model_filepath = str(tmp_path / "rows.onnx")
+    ort.InferenceSession(os.path.join(bundle, entry.graph("step", 1).file), so, providers=["CPUExecutionProvider"])
+    proto = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    stored = {i.name for i in proto.graph.initializer if i.name.endswith((".q", ".scale"))}
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("MatMulInteger") == 4 * entry.dims.num_layers + 1, sorted(set(ops))
+    assert not [n.name for n in proto.graph.node if n.op_type in ("MatMul", "Gemm", "FusedMatMul", "MatMulNBits")
+                and set(n.input) & stored]
+
+
 def _rows_oracle_logits(hf_model, bundle, tokens):
     """_oracle_logits with every linear layer's input quantized per row as the rows scheme says (round(x / s) * s,
     s = max|x| / 127, half to even)."""
