@@ -43,17 +43,25 @@ class ExportOptions:
     quant_block: int | None = None  # input rows per scale (default: graphs/quant.py DEFAULT_BLOCK)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
     quant_scheme: str | None = None  # symmetric (default), offset or rows (graphs/quant.py)
+    quant_smooth: float | None = None  # rows: SmoothQuant's alpha (default graphs/quant.py DEFAULT_SMOOTH; 0: none)
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
-    calibration_prompts: str | None = None  # qnn-qdq16: JSONL prompts to calibrate on (default: the prompt suite)
-    calibration_count: int | None = None  # qnn-qdq16: how many of them (default export.qdq.DEFAULT_COUNT)
+    # qnn-qdq16 and smoothed rows: JSONL prompts to calibrate on (default: the prompt suite), how many of them
+    # (default export.qdq.DEFAULT_COUNT, export.smooth.DEFAULT_COUNT)
+    calibration_prompts: str | None = None
+    calibration_count: int | None = None
     jobs: int | None = None  # qnn-qdq16: graphs quantized at once in worker processes (default: qdq.default_jobs)
     extra: dict = field(default_factory=dict)
 
     def quant_spec(self) -> QuantSpec | None:
         try:
-            return parse_quant(self.quant, self.quant_block, self.quant_head, self.quant_scheme)
+            return parse_quant(self.quant, self.quant_block, self.quant_head, self.quant_scheme, self.quant_smooth)
         except ValueError as e:
             raise ExportError(str(e)) from None
+
+    def smoothed(self) -> bool:
+        """Whether the export calibrates activation ranges to smooth a rows bundle (export/smooth.py)."""
+        quant = self.quant_spec()
+        return quant is not None and quant.smooth > 0
 
     def validate(self) -> None:
         if self.flavour not in FLAVOURS:
@@ -66,12 +74,14 @@ class ExportOptions:
             if self.dtype != "float32" or self.quant != "none":
                 raise ExportError("--for qnn-qdq16 quantizes float32 graphs itself (uint16 activations, int8 weights); "
                                   f"it takes neither --dtype float16 nor --quant: got --dtype {self.dtype} --quant {self.quant}")
-            if self.calibration_count is not None and self.calibration_count < 1:
-                raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
-        elif self.jobs is not None or self.calibration_prompts is not None or self.calibration_count is not None:
-            # only the qdq16 flavour calibrates and quantizes; the others write their graphs in seconds
-            raise ExportError(f"--jobs and the calibration settings apply only to --for qnn-qdq16, which calibrates "
-                              f"and quantizes in worker processes; this export is the {self.flavour} flavour")
+        elif self.jobs is not None:  # only the qdq16 flavour quantizes graphs; the others write them in seconds
+            raise ExportError(f"--jobs applies only to --for qnn-qdq16, which quantizes in worker processes; this "
+                              f"export is the {self.flavour} flavour")
+        elif (self.calibration_prompts is not None or self.calibration_count is not None) and not self.smoothed():
+            raise ExportError("the calibration settings apply only to --for qnn-qdq16 and to smoothed rows bundles "
+                              "(--quant int8 --quant-scheme rows), the exports that calibrate")
+        if self.calibration_count is not None and self.calibration_count < 1:
+            raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
         if self.jobs is not None and self.jobs < 1:
             raise ExportError(f"--jobs must be at least 1, not {self.jobs}")
         if self.dtype not in C.DTYPES:
@@ -212,7 +222,9 @@ def _row_steps(opts: ExportOptions) -> list[int]:
 
 def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, steps: list[int],
                   progress: Progress, shared: tuple[str, dict[str, WeightRef]] | None = None,
-                  num_layers: int | None = None) -> ModelEntry:
+                  num_layers: int | None = None, calibration: tuple[list[list[int]], dict] | None = None
+                  ) -> ModelEntry:
+    """`calibration`: (windows of token ids, their record) to smooth a rows model with (export/smooth.py)."""
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
     quant = opts.quant_spec()
@@ -221,15 +233,22 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
         weights = weights_file(name)
         report = llama.QuantReport()
         matmul_head = opts.flavour == "qnn-qdq16"  # the QDQ flavour's head is a MatMul weight of its own
+        ranges = None
+        if calibration is not None:
+            from .smooth import activation_ranges
+            ranges = activation_ranges(cfg, src.tensor, calibration[0])
         refs = write_weights(os.path.join(bundle, weights),
                              llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
-                                                 native=src.blocks, report=report, matmul_head=matmul_head),
+                                                 native=src.blocks, report=report, matmul_head=matmul_head,
+                                                 act_ranges=ranges),
                              on_tensor=progress.update)
         if not (quant or matmul_head):  # the float Gemm head reads its table in parts
             refs.update(llama.head_parts(cfg, refs))
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
         if quant:
             quant_record = {**quant.to_json(), "source": report.to_json()}
+            if calibration is not None:
+                quant_record["smoothing"] = calibration[1]
     else:
         weights, refs, quant_record = shared
     prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
@@ -261,6 +280,22 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
                       layers_of="target" if shared is not None else None, quant=quant_record)
+
+
+def _smoothing_calibration(tmp: str, tokenizer, opts: ExportOptions) -> tuple[list[list[int]], dict]:
+    """The token windows a rows bundle's smoothing calibrates on (export/smooth.py), from the calibration
+    prompts read with the tokenizer just written to `tmp`, and the manifest's record of them."""
+    from ..runtime.tokenizer import Tokenizer
+    from .qdq import DEFAULT_PROMPTS, load_prompt_ids
+    from .smooth import DEFAULT_COUNT, WINDOW, calibration_windows
+
+    path = os.path.join(tmp, "tokenizer", "tokenizer.json")
+    reader = Tokenizer(path, tokenizer.bos_id, tokenizer.chat_template) if os.path.isfile(path) else None
+    prompts_file = opts.calibration_prompts or DEFAULT_PROMPTS
+    prompts = load_prompt_ids(prompts_file, reader, opts.calibration_count or DEFAULT_COUNT)
+    windows = calibration_windows(prompts, min(WINDOW, opts.context))
+    return windows, {"alpha": opts.quant_spec().smooth, "prompts": os.path.basename(prompts_file),
+                     "prompt_count": len(prompts), "tokens": sum(map(len, windows))}
 
 
 def _read_sources(target_path: str, draft_path: str | None, opts: ExportOptions):
@@ -327,14 +362,6 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
     bar = Progress(n_weights + n_graphs * (3 if qdq else 1), "export", "step", progress)  # qdq: calibrate, quantize
     started = time.time()
     try:
-        models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar)}
-        if draft is not None:
-            models["draft"] = _export_model(tmp, "draft", draft, opts, opts.draft_steps(), bar)
-        elif opts.draft_layers is not None:
-            t = models["target"]
-            shared = (t.weights, read_index(os.path.join(tmp, weights_index_file(t.weights))), t.quant)
-            models["draft"] = _export_model(tmp, "draft", target, opts, opts.draft_steps(), bar,
-                                            shared=shared, num_layers=opts.draft_layers)
         tok_files = []
         if tokenizer.files:
             os.makedirs(os.path.join(tmp, "tokenizer"))
@@ -342,6 +369,17 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                 with open(os.path.join(tmp, "tokenizer", fname), "wb") as f:
                     f.write(content)
                 tok_files.append(f"tokenizer/{fname}")
+        calibration = _smoothing_calibration(tmp, tokenizer, opts) if opts.smoothed() else None
+        models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar,
+                                          calibration=calibration)}
+        if draft is not None:
+            models["draft"] = _export_model(tmp, "draft", draft, opts, opts.draft_steps(), bar,
+                                            calibration=calibration)
+        elif opts.draft_layers is not None:
+            t = models["target"]
+            shared = (t.weights, read_index(os.path.join(tmp, weights_index_file(t.weights))), t.quant)
+            models["draft"] = _export_model(tmp, "draft", target, opts, opts.draft_steps(), bar,
+                                            shared=shared, num_layers=opts.draft_layers)
         manifest = Manifest(
             models=models,
             tokenizer=TokenizerEntry(files=tok_files, bos_id=tokenizer.bos_id, eos_ids=tokenizer.eos_ids,

@@ -30,7 +30,8 @@ import numpy as np
 from . import contract as C
 from .builder import GraphBuilder
 from .manifest import WeightRef
-from .quant import Blocks, PackedInt4, QuantSpec, block_sums, quantize_blocks, quantize_offset_blocks, relative_error
+from .quant import (Blocks, PackedInt4, QuantSpec, block_sums, quantize_blocks, quantize_offset_blocks, relative_error,
+                    smoothing_factors)
 
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -304,7 +305,8 @@ class QuantReport:
 
 def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
                   quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
-                  report: QuantReport | None = None, matmul_head: bool = False
+                  report: QuantReport | None = None, matmul_head: bool = False,
+                  act_ranges: dict[str, np.ndarray] | None = None, alpha: float | None = None
                   ) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
     """Yield the graph's tensors, one at a time, from HF-named float32 tensors.
 
@@ -317,6 +319,11 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     is a MatMul weight "lm_head" [hidden, V] of its own (see graphs/quant.py). `native(name)` may return a
     source tensor that already is such blocks (GGUF Q4_0/Q8_0), used as it is when its bits and block match;
     everything else is requantized from float, and `report` records which and the error introduced.
+
+    `act_ranges` (export/smooth.py: each product's largest input per channel, by weight name) smooths the
+    products with SmoothQuant's `alpha` (default quant.smooth), folded into the norms and projections that
+    make their inputs (graphs/quant.py); the float model's function is unchanged. The head is smoothed when it
+    is a MatMul weight of its own (quantized, or `matmul_head`).
     """
     np_dtype = np.dtype(dtype)
     scale = np.float32(cfg.query_scale if cfg.query_scale is not None else 1.0 / math.sqrt(cfg.head_dim))
@@ -326,11 +333,25 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         w = hf(name)
         return w + np.float32(1) if cfg.norm_offset else w
 
+    alpha = (quant.smooth if quant is not None else 0.0) if alpha is None else alpha
+    smoothing = act_ranges is not None and alpha > 0
+    into, out_of = {}, {}  # weight name -> factors its input rows are multiplied by / output columns divided by
+
+    def in_range(parts: list[tuple[str, np.float32]]) -> np.ndarray:  # [in]: largest |W[k, :]| over the parts
+        return np.max([np.abs(hf(n) * f).max(axis=0) for n, f in parts], axis=0)
+
+    def smoothed(name: str, w: np.ndarray) -> np.ndarray:  # W [in, out] with its input and output factors
+        if name in into:
+            w = w * into[name][:, None]
+        if name in out_of:
+            w = w / out_of[name][None, :]
+        return w.astype(np.float32)
+
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
         offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
         rows = quant.rows and name != "embed"  # one scale per output column: no source stores that
-        found = [native(n) for n, _ in parts] if native and not rows else [None]
+        found = [native(n) for n, _ in parts] if native and not rows and name not in into else [None]
         # A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks
         # that divide it (its scale repeated): neither loses anything.
         if all(b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
@@ -347,7 +368,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             if offsets and out.offset is None:
                 out.offset = np.zeros_like(out.scale)
             return out
-        w = np.ascontiguousarray(np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T)
+        w = np.ascontiguousarray(smoothed(name, np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T))
         if offsets:
             q, scale, offset = quantize_offset_blocks(w, bits, quant.block)
             out = Blocks(q, scale, bits, quant.block, offset)
@@ -369,7 +390,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     def matrix(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None):
         if quant is None:
             w = np.concatenate([hf(n) * factor for n, factor in parts], axis=0)
-            yield name, np.ascontiguousarray(w.T).astype(np_dtype)
+            yield name, np.ascontiguousarray(smoothed(name, w.T)).astype(np_dtype)
         else:
             yield from stored(name, blocks(name, parts, bits or quant.bits))
 
@@ -386,34 +407,54 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         yield "embed", hf(embed).astype(np_dtype)
     else:  # [V, hidden] rows for Gather: the head's layout transposed, blocks along hidden
         yield from stored("embed", blocks("embed", [(embed, one)], 8), transpose=True)
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for i in range(cfg.num_layers):
         p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        yield p + "attn_norm", norm(f"model.layers.{i}.input_layernorm.weight").astype(np_dtype)
         # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded into its q_norm there)
         q_factor = one if cfg.qk_norm else scale
-        yield from matrix(p + "qkv", [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one),
-                                      (a + "v_proj.weight", one)])
+        qkv = [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one), (a + "v_proj.weight", one)]
+        gate_up = [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)]
+        o, down = [(a + "o_proj.weight", one)], [(m + "down_proj.weight", one)]
+        if smoothing:  # every factor of the layer first: the norms and q/k/v come before the products they feed
+            into[p + "qkv"] = smoothing_factors(act_ranges[p + "qkv"], in_range(qkv), alpha)
+            into[p + "gate_up"] = smoothing_factors(act_ranges[p + "gate_up"], in_range(gate_up), alpha)
+            into[p + "down"] = smoothing_factors(act_ranges[p + "down"], in_range(down), alpha)
+            # o's input channel h*D + d is value channel (h // rep)*D + d: one factor per kv head's channel
+            grouped = [r.reshape(Hkv, H // Hkv, D).max(axis=1) for r in (act_ranges[p + "o"], in_range(o))]
+            per_kv = smoothing_factors(*grouped, alpha)  # [Hkv, D]
+            into[p + "o"] = np.repeat(per_kv[:, None, :], H // Hkv, axis=1).reshape(H * D)
+            out_of[p + "qkv"] = np.concatenate([np.ones((H + Hkv) * D, np.float32), per_kv.reshape(-1)])
+            out_of[p + "gate_up"] = np.concatenate([np.ones(cfg.intermediate_size, np.float32), into[p + "down"]])
+        attn_norm = norm(f"model.layers.{i}.input_layernorm.weight")
+        yield p + "attn_norm", (attn_norm / into[p + "qkv"] if smoothing else attn_norm).astype(np_dtype)
+        yield from matrix(p + "qkv", qkv)
         if cfg.attention_bias:
             qb = hf(a + "q_proj.bias") * q_factor
-            yield p + "qkv_bias", np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")]).astype(np_dtype)
+            bias = np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")])
+            yield p + "qkv_bias", (bias / out_of[p + "qkv"] if smoothing else bias).astype(np_dtype)
         if cfg.qk_norm:
             qn = norm(a + "q_norm.weight") * scale
             kn = norm(a + "k_norm.weight")
             rows = [qn] * cfg.num_heads + [kn] * cfg.num_kv_heads
             yield p + "qk_norm", np.stack(rows).astype(np_dtype)  # [H + H_kv, D]
-        yield from matrix(p + "o", [(a + "o_proj.weight", one)])
+        yield from matrix(p + "o", o)
         layer = f"model.layers.{i}."
         if cfg.sandwich_norms:  # Gemma 2/3: post_attention_layernorm normalizes the attention's output
             yield p + "attn_out_norm", norm(layer + "post_attention_layernorm.weight").astype(np_dtype)
-            yield p + "mlp_norm", norm(layer + "pre_feedforward_layernorm.weight").astype(np_dtype)
+            mlp_norm = norm(layer + "pre_feedforward_layernorm.weight")
         else:
-            yield p + "mlp_norm", norm(layer + "post_attention_layernorm.weight").astype(np_dtype)
-        yield from matrix(p + "gate_up", [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)])
-        yield from matrix(p + "down", [(m + "down_proj.weight", one)])
+            mlp_norm = norm(layer + "post_attention_layernorm.weight")
+        yield p + "mlp_norm", (mlp_norm / into[p + "gate_up"] if smoothing else mlp_norm).astype(np_dtype)
+        yield from matrix(p + "gate_up", gate_up)
+        yield from matrix(p + "down", down)
         if cfg.sandwich_norms:
             yield p + "mlp_out_norm", norm(layer + "post_feedforward_layernorm.weight").astype(np_dtype)
-    yield "norm", norm("model.norm.weight").astype(np_dtype)
     head = embed if cfg.tie_word_embeddings else "lm_head.weight"
+    final_norm = norm("model.norm.weight")
+    if smoothing and (quant is not None or matmul_head):  # a float Gemm head reads the embedding table itself
+        into["lm_head"] = smoothing_factors(act_ranges["lm_head"], in_range([(head, one)]), alpha)
+        final_norm = final_norm / into["lm_head"]
+    yield "norm", final_norm.astype(np_dtype)
     if quant is not None:
         yield from matrix("lm_head", [(head, one)], quant.head_bits)
     elif matmul_head:  # a MatMul weight [hidden, V] of its own, tied or not (see build_step_graph)
@@ -494,7 +535,7 @@ def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: st
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
                      step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None,
                      scaled_norm: bool = False, mask_value: float | None = None, same_ops: bool = False,
-                     matmul_head: bool = False) -> None:
+                     matmul_head: bool = False, taps: dict[str, str] | None = None) -> None:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
     role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
     with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row.
@@ -508,7 +549,9 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     rounded differently (SmolLM2: a 5-token step's logits up to 0.1 away from one-token steps'; equal with it).
     `matmul_head`: the LM head is a MatMul weight `lm_head` [hidden, V] of its own even when tied (the QDQ
     flavour: the HTP places a per-channel quantized MatMul, not a Gemm over the transposed embedding table
-    whose dequantized copy the embedding's Gather also reads)."""
+    whose dequantized copy the embedding's Gather also reads).
+    `taps`: filled with weight name -> a value holding the largest |input| per input channel of that weight's
+    product over the step's rows (export/smooth.py calibrates with it; the caller makes them graph outputs)."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
@@ -541,6 +584,8 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
 
     # [*rows, in=k] @ [in, out]; MatMul beat Gemm in place, at 1 and 9 rows
     def linear(x, weight, name=None, k=None, rows=(B * T,)):
+        if taps is not None:
+            taps[weight] = g.op("ReduceMax", g.op("Abs", x), g.ints(*range(len(rows))), keepdims=0)
         if quant is None:
             return g.op("MatMul", x, g.weight(weight), name=name)
         if quant.rows:  # integer product of x quantized per row (graphs/quant.py); a zero row gets scale FLT_MIN

@@ -46,6 +46,17 @@ and prefill steps cost far less than MatMulNBits' rows (benchmarks/w8a8/README.m
 one activation scale per row instead of per block of 32 (SmolLM2: about 90% top-1 agreement with float32
 against 96%, simulated). The embedding keeps its int8 blocks (`block`).
 
+One scale per row loses most where a few input channels are much larger than the rest (outlier channels:
+their row's scale leaves the other channels few levels). So a rows bundle is smoothed (SmoothQuant, Xiao et
+al. 2023) by default: each product's input channel k is divided by a factor f_k and the weight's input row k
+multiplied by it, x @ W = (x / f) @ (f * W), with f_k = a_k^alpha / w_k^(1 - alpha) from a_k, the largest
+|x[:, k]| over calibration text, and w_k, the largest |W[k, :]|. The division is folded into what produces the
+input, so the graph is unchanged and the float model computes the same function: the RMSNorm weight before
+q/k/v and before gate/up, the value projection's output columns before the output projection (one factor per
+kv head's channel, shared by the query heads that read it), the up projection's output columns before the
+down projection (act(gate) * up is linear in up), the final norm before the head. `smooth` records alpha (0:
+not smoothed); export/smooth.py measures the a_k.
+
 int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
 """
 from __future__ import annotations
@@ -63,6 +74,9 @@ QUANT_IR_VERSION = 10  # the IR that introduced int4
 # 16 are not; loaded as blocks of 16 on AVX2-only x86 (above). Blocks of 16 agree with float32 on 3 points more
 # positions and cost 15% more bytes (benchmarks/quant/README.md, "Re-blocking at load").
 DEFAULT_BLOCK = {4: 32, 8: 32}
+# SmoothQuant's alpha for rows bundles: SmolLM2, simulated, calibrated on the prompt suite and measured on
+# benchmarks/quality/text.txt: 0.4 92.6%, 0.5 93.7%, 0.6 93.6% top-1 agreement (unsmoothed 90.0%; float head)
+DEFAULT_SMOOTH = 0.5
 ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
 # onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
 # their residual Add into a float Gemm *before* the DequantizeLinear + MatMul -> MatMulNBits fusion runs,
@@ -81,6 +95,7 @@ class QuantSpec:
     embed: str = "int8"  # the embedding table [V, E]: int8 in blocks of `block` along E
     offsets: bool = False  # layer weights have a per-block float offset W.offset (see above)
     rows: bool = False  # int8 products: weights per output column, activations per row, MatMulInteger (see above)
+    smooth: float = 0.0  # rows only: SmoothQuant's alpha the weights were migrated with (0: none; see above)
 
     @property
     def scheme(self) -> str:
@@ -104,7 +119,7 @@ class QuantSpec:
     def from_json(cls, d: dict) -> "QuantSpec":
         return cls(bits=int(d["bits"]), block=int(d["block"]), head_bits=int(d["head_bits"]),
                    embed=str(d.get("embed", "int8")), offsets=bool(d.get("offsets", False)),
-                   rows=bool(d.get("rows", False)))
+                   rows=bool(d.get("rows", False)), smooth=float(d.get("smooth", 0.0)))
 
 
 def targets(spec: QuantSpec) -> list[str]:
@@ -119,14 +134,15 @@ def targets(spec: QuantSpec) -> list[str]:
     return out
 
 
-def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: str | None = None) -> QuantSpec | None:
-    """The spec for `--quant MODE --quant-block N --quant-head H --quant-scheme S`; ValueError with a one-line
-    message."""
+def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: str | None = None,
+                smooth: float | None = None) -> QuantSpec | None:
+    """The spec for `--quant MODE --quant-block N --quant-head H --quant-scheme S --quant-smooth A`; ValueError
+    with a one-line message."""
     if mode not in QUANT_MODES:
         raise ValueError(f"--quant must be one of {', '.join(QUANT_MODES)}, not {mode!r}")
     if mode == "none":
-        if block is not None or head is not None or scheme is not None:
-            raise ValueError("--quant-block, --quant-head and --quant-scheme need --quant int8 or int4")
+        if block is not None or head is not None or scheme is not None or smooth is not None:
+            raise ValueError("--quant-block, --quant-head, --quant-scheme and --quant-smooth need --quant int8 or int4")
         return None
     scheme = scheme or "symmetric"
     if scheme not in QUANT_SCHEMES:
@@ -140,7 +156,23 @@ def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: s
         raise ValueError(f"--quant-head must be int8 or int4, not {head!r}")
     if scheme == "rows" and (bits, head) != (8, "int8"):
         raise ValueError("--quant-scheme rows is int8 only (integer products): use --quant int8 and an int8 head")
-    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset", rows=scheme == "rows")
+    if smooth is not None and scheme != "rows":
+        raise ValueError("--quant-smooth applies to --quant-scheme rows only (the other schemes quantize no activations "
+                         "per row)")
+    smooth = DEFAULT_SMOOTH if smooth is None and scheme == "rows" else smooth or 0.0
+    if not 0 <= smooth < 1 or smooth != smooth:
+        raise ValueError(f"--quant-smooth must be in [0, 1) (0: no smoothing), not {smooth}")
+    return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset", rows=scheme == "rows",
+                     smooth=float(smooth))
+
+
+def smoothing_factors(act_range: np.ndarray, weight_range: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant's per input channel factors f = a^alpha / w^(1 - alpha) (see above): `act_range` [K], the
+    largest |x[:, k]| seen; `weight_range` [K], the largest |W[k, :]|. Channels never seen or all zero get
+    factors from a floor, not 0 or inf."""
+    a = np.maximum(act_range.astype(np.float64), 1e-5)
+    w = np.maximum(weight_range.astype(np.float64), 1e-5)
+    return np.maximum(a ** alpha / w ** (1 - alpha), 1e-5).astype(np.float32)
 
 
 # -- numerics -----------------------------------------------------------------------------------------

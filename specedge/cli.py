@@ -80,6 +80,10 @@ def _add_export(sub) -> None:
                    "rows (int8 only: weights per output column, activations quantized per row in the graph, integer "
                    "products; verify and prefill steps cost far less, exact on every CPU, less precise; "
                    "--quant-block then applies to the embedding only)")
+    p.add_argument("--quant-smooth", type=float, default=None, metavar="ALPHA",
+                   help="rows only: SmoothQuant's migration strength in [0, 1); the export runs the float model over "
+                   "the prompt suite to measure each product's input ranges and folds the factors into the norms "
+                   "and projections, the graphs unchanged (default 0.5; 0: no smoothing, no calibration)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true",
@@ -98,7 +102,7 @@ def _run_export(a) -> int:
                          context_buckets=tuple(a.context_buckets) if a.context_buckets else None, batch=a.batch,
                          dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
                          step_mask=a.step_mask, tree_sizes=tuple(a.tree), quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
-                         quant_scheme=a.quant_scheme, jobs=a.jobs,
+                         quant_scheme=a.quant_scheme, quant_smooth=a.quant_smooth, jobs=a.jobs,
                          flavour={"qnn": "qnn-fp16", "qnn-qdq16": "qnn-qdq16"}.get(a.for_runtime, "portable"))
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())
@@ -108,8 +112,12 @@ def _run_export(a) -> int:
             src = model.quant["source"]
             error = (f" (relative error mean {src['relative_error_mean']:.4f}, max {src['relative_error_max']:.4f} in "
                      f"{src['worst']})" if src["requantized"] else "")
+            smooth = model.quant.get("smoothing")
+            smoothed = (f", smoothed (alpha {smooth['alpha']}, calibrated on {smooth['tokens']} tokens of "
+                        f"{smooth['prompts']})" if smooth else "")
             scheme = (", offsets per block" if model.quant.get("offsets") else
-                      " (embedding), per column elsewhere, integer products" if model.quant.get("rows") else "")
+                      f" (embedding), per column elsewhere, integer products{smoothed}" if model.quant.get("rows")
+                      else "")
             print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
                   f"{src['requantized']} requantized{error}")

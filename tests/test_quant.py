@@ -149,25 +149,38 @@ def _dequantized_state(bundle: str, cfg) -> dict[str, np.ndarray]:
         w = q * np.repeat(s, block, axis=axis)[cut]
         return w + np.repeat(tensor(name + ".offset"), block, axis=axis)[cut] if name + ".offset" in index else w
 
+    return {"model.embed_tokens.weight": deq("embed", axis=1), **_hf_state(tensor, deq, cfg, lambda n: n in index)}
+
+
+def _hf_state(tensor, matrix, cfg, has) -> dict[str, np.ndarray]:
+    """Graph tensors mapped back to transformers' names (the head untied): `matrix(name)` gives a product's
+    weight [in, out], `tensor(name)` any other tensor, `has(name)` whether the graph stores it. The norms and
+    biases too, which a smoothed bundle changes (graphs/quant.py)."""
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    qk_norm = cfg.model_type == "qwen3"
-    state = {"model.embed_tokens.weight": deq("embed", axis=1), "lm_head.weight": deq("lm_head").T,
-             "model.norm.weight": tensor("norm")}
+    q_factor = 1.0 if cfg.model_type == "qwen3" else np.sqrt(D)  # the exporter folds 1/sqrt(D) into the queries
+    state = {"lm_head.weight": matrix("lm_head").T, "model.norm.weight": tensor("norm")}
     for i in range(cfg.num_hidden_layers):
         p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        qkv = deq(p + "qkv").T
-        state[a + "q_proj.weight"] = qkv[:H * D] * (1.0 if qk_norm else np.sqrt(D))
+        qkv = matrix(p + "qkv").T
+        state[a + "q_proj.weight"] = qkv[:H * D] * q_factor
         state[a + "k_proj.weight"], state[a + "v_proj.weight"] = qkv[H * D:(H + Hkv) * D], qkv[(H + Hkv) * D:]
-        state[a + "o_proj.weight"] = deq(p + "o").T
-        gate_up = deq(p + "gate_up").T
+        if has(p + "qkv_bias"):
+            bias = tensor(p + "qkv_bias")
+            state[a + "q_proj.bias"] = bias[:H * D] * q_factor
+            state[a + "k_proj.bias"], state[a + "v_proj.bias"] = bias[H * D:(H + Hkv) * D], bias[(H + Hkv) * D:]
+        state[a + "o_proj.weight"] = matrix(p + "o").T
+        gate_up = matrix(p + "gate_up").T
         state[m + "gate_proj.weight"], state[m + "up_proj.weight"] = np.split(gate_up, 2)
-        state[m + "down_proj.weight"] = deq(p + "down").T
+        state[m + "down_proj.weight"] = matrix(p + "down").T
+        state[f"model.layers.{i}.input_layernorm.weight"] = tensor(p + "attn_norm")
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = tensor(p + "mlp_norm")
     return state
 
 
-def _oracle_logits(hf_model, bundle, tokens, input_hook=None):
-    """transformers with the bundle's dequantized weights (an untied head: the head is quantized on its own);
-    `input_hook`: a forward pre-hook for every linear layer."""
+def _oracle_logits(hf_model, bundle, tokens, input_hook=None, state=None):
+    """transformers with the bundle's dequantized weights (an untied head: the head is quantized on its own),
+    or with `state` (transformers' names) in their place; `input_hook`: a forward pre-hook for every linear
+    layer."""
     import copy
 
     import torch
@@ -177,7 +190,7 @@ def _oracle_logits(hf_model, bundle, tokens, input_hook=None):
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     with torch.no_grad():
         params = dict(model.named_parameters())
-        for name, value in _dequantized_state(bundle, model.config).items():
+        for name, value in (_dequantized_state(bundle, model.config) if state is None else state).items():
             params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
         if input_hook is not None:
             for module in model.modules():
@@ -540,6 +553,10 @@ def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_pa
     (["--quant", "int4", "--quant-scheme", "zero-point"], "--quant-scheme must be one of"),
     (["--quant", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
     (["--quant", "int8", "--quant-head", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
+    (["--quant", "int4", "--quant-smooth", "0.5"], "--quant-smooth applies to --quant-scheme rows only"),
+    (["--quant-smooth", "0.5"], "need --quant int8 or int4"),
+    (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "1"], "--quant-smooth must be in [0, 1)"),
+    (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "nan"], "--quant-smooth must be in [0, 1)"),
 ])
 def test_bad_quant_options_fail_cleanly(tiny_models, tmp_path, args, message):
     out = tmp_path / "bundle"
@@ -663,3 +680,104 @@ def test_check_catches_a_rows_record_that_disagrees_with_the_graphs(rows_bundles
         json.dump(manifest, open(path, "w"))
         report = check_bundle(bundle, load=False)
         assert not report.ok and fragment in report.render(), report.render()
+
+
+# -- smoothing (SmoothQuant folded into the weights of a rows bundle) -----------------------------------------
+def _product_inputs(cfg) -> dict[str, int]:
+    """Weight name -> its product's input width, for every product of a graph with a MatMul head."""
+    widths = {"lm_head": cfg.hidden_size}
+    for i in range(cfg.num_layers):
+        widths.update({f"layers.{i}.qkv": cfg.hidden_size, f"layers.{i}.o": cfg.num_heads * cfg.head_dim,
+                       f"layers.{i}.gate_up": cfg.hidden_size, f"layers.{i}.down": cfg.intermediate_size})
+    return widths
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_smoothing_leaves_the_float_model_unchanged(tiny_models, family):
+    """x @ W = (x / f) @ (f * W) with the division folded into the norms, the value and up projections and the
+    final norm: transformers running the smoothed float tensors (mapped back to its names) gives the original
+    model's logits, while the stored tensors moved by factors far from 1 (qwen2: biases; qwen3: q/k norms)."""
+    from specedge.export.sources import open_source
+    from specedge.graphs import llama
+
+    src = open_source(tiny_models[family][0])
+    cfg = src.config
+    rng = np.random.default_rng(3)
+    ranges = {name: rng.uniform(0.01, 30.0, k).astype(np.float32) for name, k in _product_inputs(cfg).items()}
+    plain = dict(llama.graph_weights(cfg, 64, "float32", src.tensor, matmul_head=True))
+    smoothed = dict(llama.graph_weights(cfg, 64, "float32", src.tensor, matmul_head=True, act_ranges=ranges,
+                                        alpha=0.5))
+    unsmoothed = dict(llama.graph_weights(cfg, 64, "float32", src.tensor, matmul_head=True, act_ranges=ranges,
+                                          alpha=0.0))
+    assert all(np.array_equal(plain[n], unsmoothed[n]) for n in plain)
+    for name in ("layers.0.attn_norm", "layers.0.qkv", "layers.0.o", "layers.0.mlp_norm", "layers.0.gate_up",
+                 "layers.0.down", "norm", "lm_head"):
+        moved = np.abs(smoothed[name] - plain[name]) / np.maximum(np.abs(plain[name]), 1e-12)  # 0 stays 0
+        assert moved.max() > 0.5, name
+    hf_model = tiny_models[family][1]
+    tokens = rng.integers(0, cfg.vocab_size, 20).tolist()
+    want = _oracle_logits(hf_model, None, tokens, state=_hf_state(plain.__getitem__, plain.__getitem__,
+                                                                  hf_model.config, plain.__contains__))
+    got = _oracle_logits(hf_model, None, tokens, state=_hf_state(smoothed.__getitem__, smoothed.__getitem__,
+                                                                 hf_model.config, smoothed.__contains__))
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_activation_ranges_are_the_largest_inputs_transformers_sees(tiny_models, family):
+    """export/smooth.py's ranges (the float32 step graph with a tap per product) against forward pre-hooks on
+    transformers' linear layers, over the same windows, each a sequence of its own."""
+    import torch
+
+    from specedge.export.smooth import activation_ranges, calibration_windows
+    from specedge.export.sources import open_source
+
+    src = open_source(tiny_models[family][0])
+    rng = np.random.default_rng(4)
+    windows = calibration_windows([rng.integers(0, 1000, n).tolist() for n in (30, 25, 20)], window=24)
+    assert [len(w) for w in windows] == [24, 24, 24]  # 75 ids: three whole windows, the rest dropped
+    got = activation_ranges(src.config, src.tensor, windows)
+    model, want, hooks = tiny_models[family][1], {}, []
+    for i, layer in enumerate(model.model.layers):
+        for module, name in ((layer.self_attn.q_proj, f"layers.{i}.qkv"), (layer.self_attn.o_proj, f"layers.{i}.o"),
+                             (layer.mlp.gate_proj, f"layers.{i}.gate_up"), (layer.mlp.down_proj, f"layers.{i}.down")):
+            hooks.append((module, name))
+    hooks.append((model.lm_head, "lm_head"))
+
+    def record(name):
+        def hook(module, args):
+            m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).numpy()
+            want[name] = np.maximum(want[name], m) if name in want else m
+        return hook
+
+    handles = [module.register_forward_pre_hook(record(name)) for module, name in hooks]
+    try:
+        with torch.no_grad():
+            for w in windows:
+                model(torch.tensor([w]))
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(got) == set(want) == set(_product_inputs(src.config))
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_rows_bundles_are_smoothed_by_default_and_record_it(rows_bundles, tiny_models, tmp_path):
+    """The default rows export calibrates (the prompt suite) and records alpha and what it read; --quant-smooth 0
+    writes the unsmoothed weights (different bytes), and both keep the graphs' function within the scheme."""
+    entry = load_manifest(rows_bundles["llama"]).target
+    assert entry.quant["smooth"] == Q.DEFAULT_SMOOTH == 0.5
+    record = entry.quant["smoothing"]
+    assert record["prompts"] == "suite.jsonl" and record["prompt_count"] >= 30 and record["tokens"] >= 1000
+    out = str(tmp_path / "plain")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,),
+                                                              quant="int8", quant_scheme="rows", quant_smooth=0.0),
+                  progress=False)
+    plain = load_manifest(out).target
+    assert plain.quant["smooth"] == 0 and "smoothing" not in plain.quant
+    smoothed_norm = _dequantized_state(rows_bundles["llama"], tiny_models["llama"][1].config)
+    plain_norm = _dequantized_state(out, tiny_models["llama"][1].config)
+    name = "model.layers.0.input_layernorm.weight"
+    assert not np.allclose(smoothed_norm[name], plain_norm[name])
+    assert check_bundle(out).ok

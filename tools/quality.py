@@ -103,7 +103,9 @@ def _describe_bundle(manifest) -> str:
     if not q:
         return manifest.target.dims.dtype
     if q.get("rows"):
-        return f"int8 per column, activations int8 per row (MatMulInteger), head too, embed int8 b{q['block']}"
+        smooth = f", smoothed (alpha {q['smooth']})" if q.get("smooth") else ""
+        return (f"int8 per column, activations int8 per row (MatMulInteger), head too{smooth}, "
+                f"embed int8 b{q['block']}")
     offsets = " + offsets" if q.get("offsets") else ""
     return f"int{q['bits']} b{q['block']}{offsets}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
 
