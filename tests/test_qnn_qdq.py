@@ -322,7 +322,7 @@ def test_bad_flavour_options_are_one_line_and_leave_nothing(tiny_models, tmp_pat
     assert os.listdir(tmp_path) == []
     assert main(["export", "--target", tiny_models["llama"][0], "--out", str(out), "--jobs", "2", "--quiet"]) == 2
     err = capsys.readouterr().err  # the float flavours quantize nothing: --jobs would be silently ignored
-    assert "apply only to --for qnn-qdq16" in err and len(err.strip().splitlines()) == 1
+    assert "--jobs applies only to --for qnn-qdq16" in err and len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(Exception, match="cannot read the calibration prompts"):

@@ -781,3 +781,35 @@ def test_rows_bundles_are_smoothed_by_default_and_record_it(rows_bundles, tiny_m
     name = "model.layers.0.input_layernorm.weight"
     assert not np.allclose(smoothed_norm[name], plain_norm[name])
     assert check_bundle(out).ok
+
+
+def test_a_rows_draft_model_is_smoothed_with_its_own_ranges(tiny_models, tiny_draft_model, tmp_path):
+    """A separate draft model calibrates on the same prompts through its own float model; the bundle passes
+    check and the record says so for both models."""
+    out = str(tmp_path / "with-draft")
+    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int8",
+                                                              quant_scheme="rows"),
+                  draft_path=tiny_draft_model[0], progress=False)
+    manifest = load_manifest(out)
+    target, draft = manifest.models["target"], manifest.models["draft"]
+    assert target.quant["smoothing"] == draft.quant["smoothing"] and draft.quant["smooth"] == 0.5
+    assert check_bundle(out).ok
+
+
+def test_smoothing_calibration_errors_are_one_line_and_leave_nothing(tiny_models, tmp_path):
+    from specedge.errors import ExportError
+
+    out = tmp_path / "bundle"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    for prompts, message in ((str(tmp_path / "missing.jsonl"), "cannot read the calibration prompts"),
+                             (str(bad), "bad.jsonl:2: not a JSON object")):
+        with pytest.raises(ExportError, match=message):
+            export_bundle(tiny_models["llama"][0], str(out),
+                          ExportOptions(context=64, prefill_chunk=CHUNK, quant="int8", quant_scheme="rows",
+                                        calibration_prompts=prompts, calibration_count=5), progress=False)
+        assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # no bundle, no temporary directory
+    with pytest.raises(ExportError, match="apply only to --for qnn-qdq16 and to smoothed rows"):
+        export_bundle(tiny_models["llama"][0], str(out), ExportOptions(context=64, prefill_chunk=CHUNK, quant="int8",
+                                                                       quant_scheme="rows", quant_smooth=0.0,
+                                                                       calibration_count=5), progress=False)
