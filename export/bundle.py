@@ -6,11 +6,13 @@ nothing behind.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import onnx
 
@@ -43,9 +45,9 @@ class ExportOptions:
     quant_block: int | None = None  # input rows per scale (default: graphs/quant.py DEFAULT_BLOCK)
     quant_head: str | None = None  # the LM head's type under --quant: int8 (default) or int4
     quant_scheme: str | None = None  # symmetric (default), offset or rows (graphs/quant.py)
-    quant_smooth: float | None = None  # rows: SmoothQuant's alpha (default graphs/quant.py DEFAULT_SMOOTH; 0: none)
+    quant_smooth: float | None = None  # SmoothQuant's alpha (default graphs/quant.py DEFAULT_SMOOTH; 0: none)
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
-    # qnn-qdq16 and smoothed rows: JSONL prompts to calibrate on (default: the prompt suite), how many of them
+    # qnn-qdq16 and smoothed quantized bundles: JSONL prompts to calibrate on (default: the prompt suite), how many of them
     # (default export.qdq.DEFAULT_COUNT, export.smooth.DEFAULT_COUNT)
     calibration_prompts: str | None = None
     calibration_count: int | None = None
@@ -59,7 +61,7 @@ class ExportOptions:
             raise ExportError(str(e)) from None
 
     def smoothed(self) -> bool:
-        """Whether the export calibrates activation ranges to smooth a rows bundle (export/smooth.py)."""
+        """Whether the export may calibrate activation ranges to smooth quantized weights (export/smooth.py)."""
         quant = self.quant_spec()
         return quant is not None and quant.smooth > 0
 
@@ -78,8 +80,8 @@ class ExportOptions:
             raise ExportError(f"--jobs applies only to --for qnn-qdq16, which quantizes in worker processes; this "
                               f"export is the {self.flavour} flavour")
         elif (self.calibration_prompts is not None or self.calibration_count is not None) and not self.smoothed():
-            raise ExportError("the calibration settings apply only to --for qnn-qdq16 and to smoothed rows bundles "
-                              "(--quant int8 --quant-scheme rows), the exports that calibrate")
+            raise ExportError("the calibration settings apply only to --for qnn-qdq16 and to smoothed quantized "
+                              "bundles (--quant int8/int4, --quant-smooth above 0), the exports that calibrate")
         if self.calibration_count is not None and self.calibration_count < 1:
             raise ExportError(f"the calibration needs at least one prompt, not {self.calibration_count}")
         if self.jobs is not None and self.jobs < 1:
@@ -222,21 +224,23 @@ def _row_steps(opts: ExportOptions) -> list[int]:
 
 def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, steps: list[int],
                   progress: Progress, shared: tuple[str, dict[str, WeightRef]] | None = None,
-                  num_layers: int | None = None, calibration: tuple[list[list[int]], dict] | None = None
+                  num_layers: int | None = None, calibration: Callable[[], tuple[list[list[int]], dict]] | None = None
                   ) -> ModelEntry:
-    """`calibration`: (windows of token ids, their record) to smooth a rows model with (export/smooth.py)."""
+    """`calibration()`: (windows of token ids, their record) to smooth the model with (export/smooth.py)."""
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
     quant = opts.quant_spec()
+    if quant and quant.smooth and opts.quant_smooth is None and _copies_source_blocks(src, quant):
+        quant = replace(quant, smooth=0.0)  # by default a bundle keeps the source's own quantized model
     quant_record = None
     if shared is None:
         weights = weights_file(name)
         report = llama.QuantReport()
         matmul_head = opts.flavour == "qnn-qdq16"  # the QDQ flavour's head is a MatMul weight of its own
         ranges = None
-        if calibration is not None:
+        if quant and quant.smooth:
             from .smooth import activation_ranges
-            ranges = activation_ranges(cfg, src.tensor, calibration[0])
+            ranges = activation_ranges(cfg, src.tensor, calibration()[0])
         refs = write_weights(os.path.join(bundle, weights),
                              llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
                                                  native=src.blocks, report=report, matmul_head=matmul_head,
@@ -247,8 +251,8 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
         write_index(os.path.join(bundle, weights_index_file(weights)), refs)
         if quant:
             quant_record = {**quant.to_json(), "source": report.to_json()}
-            if calibration is not None:
-                quant_record["smoothing"] = calibration[1]
+            if quant.smooth:
+                quant_record["smoothing"] = calibration()[1]
     else:
         weights, refs, quant_record = shared
     prefill_role = C.STEP if opts.prefill_logits else C.PREFILL
@@ -280,6 +284,12 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
                       layers_of="target" if shared is not None else None, quant=quant_record)
+
+
+def _copies_source_blocks(src: Source, quant: QuantSpec) -> bool:
+    """Whether the bundle would copy the source's layer weights as they are stored (GGUF Q4_0/Q8_0 blocks)."""
+    return not quant.rows and llama.copies_as_stored(src.blocks("model.layers.0.self_attn.q_proj.weight"), quant,
+                                                     quant.bits, quant.offsets)
 
 
 def _smoothing_calibration(tmp: str, tokenizer, opts: ExportOptions) -> tuple[list[list[int]], dict]:
@@ -369,7 +379,7 @@ def export_bundle(target_path: str, out: str, opts: ExportOptions, draft_path: s
                 with open(os.path.join(tmp, "tokenizer", fname), "wb") as f:
                     f.write(content)
                 tok_files.append(f"tokenizer/{fname}")
-        calibration = _smoothing_calibration(tmp, tokenizer, opts) if opts.smoothed() else None
+        calibration = functools.cache(lambda: _smoothing_calibration(tmp, tokenizer, opts))  # read when needed
         models = {"target": _export_model(tmp, "target", target, opts, opts.target_steps(), bar,
                                           calibration=calibration)}
         if draft is not None:

@@ -303,6 +303,13 @@ class QuantReport:
                 "worst": max(self.requantized, key=self.requantized.get) if errs else None}
 
 
+def copies_as_stored(b: Blocks | None, quant: QuantSpec, bits: int, offsets: bool) -> bool:
+    """Whether a source tensor's blocks (GGUF Q4_0/Q8_0, Q4_1 with `offsets`) are a bundle weight of `bits` as they
+    are. A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks that
+    divide it (its scale repeated): neither loses anything."""
+    return b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
+
+
 def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
                   quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
                   report: QuantReport | None = None, matmul_head: bool = False,
@@ -352,10 +359,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
         rows = quant.rows and name != "embed"  # one scale per output column: no source stores that
         found = [native(n) for n, _ in parts] if native and not rows and name not in into else [None]
-        # A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks
-        # that divide it (its scale repeated): neither loses anything.
-        if all(b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
-               for b in found):
+        if all(copies_as_stored(b, quant, bits, offsets) for b in found):
             found = [b.split(quant.block) for b in found]
             for b in found:
                 b.bits = bits

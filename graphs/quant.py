@@ -46,8 +46,9 @@ and prefill steps cost far less than MatMulNBits' rows (benchmarks/w8a8/README.m
 one activation scale per row instead of per block of 32 (SmolLM2: about 90% top-1 agreement with float32
 against 96%, simulated). The embedding keeps its int8 blocks (`block`).
 
-One scale per row loses most where a few input channels are much larger than the rest (outlier channels:
-their row's scale leaves the other channels few levels). So a rows bundle is smoothed (SmoothQuant, Xiao et
+Both kernels quantize activations (MatMulNBits at level 4 per block of 32, the rows scheme per row), which
+loses most where a few input channels are much larger than the rest (outlier channels: their block's or row's
+scale leaves the other channels few levels). So a symmetric or rows bundle is smoothed (SmoothQuant, Xiao et
 al. 2023) by default: each product's input channel k is divided by a factor f_k and the weight's input row k
 multiplied by it, x @ W = (x / f) @ (f * W), with f_k = a_k^alpha / w_k^(1 - alpha) from a_k, the largest
 |x[:, k]| over calibration text, and w_k, the largest |W[k, :]|. The division is folded into what produces the
@@ -55,7 +56,9 @@ input, so the graph is unchanged and the float model computes the same function:
 q/k/v and before gate/up, the value projection's output columns before the output projection (one factor per
 kv head's channel, shared by the query heads that read it), the up projection's output columns before the
 down projection (act(gate) * up is linear in up), the final norm before the head. `smooth` records alpha (0:
-not smoothed); export/smooth.py measures the a_k.
+not smoothed); export/smooth.py measures the a_k. The weights are requantized after smoothing, so a source
+whose blocks a bundle would copy as they are (GGUF Q4_0/Q8_0; the offset scheme's Q4_1) keeps them unless
+smoothing is asked for (export/bundle.py).
 
 int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
 """
@@ -74,8 +77,10 @@ QUANT_IR_VERSION = 10  # the IR that introduced int4
 # 16 are not; loaded as blocks of 16 on AVX2-only x86 (above). Blocks of 16 agree with float32 on 3 points more
 # positions and cost 15% more bytes (benchmarks/quant/README.md, "Re-blocking at load").
 DEFAULT_BLOCK = {4: 32, 8: 32}
-# SmoothQuant's alpha for rows bundles: SmolLM2, simulated, calibrated on the prompt suite and measured on
-# benchmarks/quality/text.txt: 0.4 92.6%, 0.5 93.7%, 0.6 93.6% top-1 agreement (unsmoothed 90.0%; float head)
+# SmoothQuant's alpha: SmolLM2, simulated (benchmarks/w8a8/quality_sim.py, float head), calibrated on the prompt
+# suite and measured on benchmarks/quality/text.txt, top-1 agreement with float32 by alpha (0: unsmoothed):
+# rows 0: 90.0%, 0.4: 92.6%, 0.5: 93.7%, 0.6: 93.6%; int8 blocks 0: 96.1%, 0.3: 96.8%, 0.5: 97.6%, 0.65: 97.3%,
+# 0.8: 97.5%; int4 blocks (round to nearest) 0: 67.2%, 0.3: 67.7%, 0.5: 72.9%
 DEFAULT_SMOOTH = 0.5
 ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
 # onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
@@ -95,7 +100,7 @@ class QuantSpec:
     embed: str = "int8"  # the embedding table [V, E]: int8 in blocks of `block` along E
     offsets: bool = False  # layer weights have a per-block float offset W.offset (see above)
     rows: bool = False  # int8 products: weights per output column, activations per row, MatMulInteger (see above)
-    smooth: float = 0.0  # rows only: SmoothQuant's alpha the weights were migrated with (0: none; see above)
+    smooth: float = 0.0  # SmoothQuant's alpha the weights were migrated with (0: none; see above)
 
     @property
     def scheme(self) -> str:
@@ -156,11 +161,11 @@ def parse_quant(mode: str, block: int | None, head: str | None = None, scheme: s
         raise ValueError(f"--quant-head must be int8 or int4, not {head!r}")
     if scheme == "rows" and (bits, head) != (8, "int8"):
         raise ValueError("--quant-scheme rows is int8 only (integer products): use --quant int8 and an int8 head")
-    if smooth is not None and scheme != "rows":
-        raise ValueError("--quant-smooth applies to --quant-scheme rows only (the other schemes quantize no activations "
-                         "per row)")
-    smooth = DEFAULT_SMOOTH if smooth is None and scheme == "rows" else smooth or 0.0
-    if not 0 <= smooth < 1 or smooth != smooth:
+    if smooth is not None and scheme == "offset":
+        raise ValueError("--quant-smooth does not apply to --quant-scheme offset, which copies the GGUF's Q4_1 blocks "
+                         "and offsets as they are")
+    smooth = (0.0 if scheme == "offset" else DEFAULT_SMOOTH) if smooth is None else smooth
+    if not 0 <= smooth < 1:
         raise ValueError(f"--quant-smooth must be in [0, 1) (0: no smoothing), not {smooth}")
     return QuantSpec(bits=bits, block=block, head_bits=int(head[3:]), offsets=scheme == "offset", rows=scheme == "rows",
                      smooth=float(smooth))

@@ -81,9 +81,10 @@ def _add_export(sub) -> None:
                    "products; verify and prefill steps cost far less, exact on every CPU, less precise; "
                    "--quant-block then applies to the embedding only)")
     p.add_argument("--quant-smooth", type=float, default=None, metavar="ALPHA",
-                   help="rows only: SmoothQuant's migration strength in [0, 1); the export runs the float model over "
-                   "the prompt suite to measure each product's input ranges and folds the factors into the norms "
-                   "and projections, the graphs unchanged (default 0.5; 0: no smoothing, no calibration)")
+                   help="with --quant: SmoothQuant's migration strength in [0, 1); the export runs the float model "
+                   "over the prompt suite to measure each product's input ranges and folds the factors into the "
+                   "norms and projections, the graphs unchanged (default 0.5, except where the bundle copies a "
+                   "GGUF's own Q4_0/Q8_0 blocks, and for --quant-scheme offset: 0, no smoothing, no calibration)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true",
@@ -116,9 +117,8 @@ def _run_export(a) -> int:
             smoothed = (f", smoothed (alpha {smooth['alpha']}, calibrated on {smooth['tokens']} tokens of "
                         f"{smooth['prompts']})" if smooth else "")
             scheme = (", offsets per block" if model.quant.get("offsets") else
-                      f" (embedding), per column elsewhere, integer products{smoothed}" if model.quant.get("rows")
-                      else "")
-            print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}, head "
+                      " (embedding), per column elsewhere, integer products" if model.quant.get("rows") else "")
+            print(f"{name}: {model.quant['weights']} weights, block {model.quant['block']}{scheme}{smoothed}, head "
                   f"int{model.quant['head_bits']}: {src['native']} tensors copied from the source's blocks, "
                   f"{src['requantized']} requantized{error}")
             if m.draft_of(model) is None:  # a draft's rows only propose (runtime/kernel_probe.row_plan)

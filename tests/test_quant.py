@@ -75,11 +75,16 @@ def test_quantize_blocks_rounds_to_nearest_on_a_symmetric_grid(bits, block, K, s
 
 def test_parse_quant_rejects_bad_values():
     assert Q.parse_quant("none", None) is None
-    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8)  # loaded as 16 on AVX2
-    assert Q.parse_quant("int8", None) == Q.QuantSpec(bits=8, block=32, head_bits=8)
-    assert Q.parse_quant("int8", None, None, "rows") == Q.QuantSpec(bits=8, block=32, head_bits=8, rows=True)
+    smooth = Q.DEFAULT_SMOOTH  # smoothed by default (graphs/quant.py), except the offset scheme's copied blocks
+    assert Q.parse_quant("int4", None) == Q.QuantSpec(bits=4, block=32, head_bits=8, smooth=smooth)  # AVX2: 16
+    assert Q.parse_quant("int8", None) == Q.QuantSpec(bits=8, block=32, head_bits=8, smooth=smooth)
+    assert Q.parse_quant("int8", None, None, "rows") == Q.QuantSpec(bits=8, block=32, head_bits=8, rows=True,
+                                                                    smooth=smooth)
+    assert Q.parse_quant("int4", None, None, "offset") == Q.QuantSpec(bits=4, block=32, head_bits=8, offsets=True)
+    assert Q.parse_quant("int4", None, None, None, 0.0).smooth == 0.0
     for args in [("int3", None), ("int4", 48), ("int4", 8), ("int8", 512), ("none", 32), ("int4", 32, "int2"),
-                 ("int4", None, None, "rows"), ("int8", None, "int4", "rows")]:
+                 ("int4", None, None, "rows"), ("int8", None, "int4", "rows"), ("int4", None, None, "offset", 0.5),
+                 ("int8", None, None, None, -0.1), ("int8", None, None, None, 1.0), ("none", None, None, None, 0.5)]:
         with pytest.raises(ValueError):
             Q.parse_quant(*args)
 
@@ -553,7 +558,7 @@ def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_pa
     (["--quant", "int4", "--quant-scheme", "zero-point"], "--quant-scheme must be one of"),
     (["--quant", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
     (["--quant", "int8", "--quant-head", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
-    (["--quant", "int4", "--quant-smooth", "0.5"], "--quant-smooth applies to --quant-scheme rows only"),
+    (["--quant", "int4", "--quant-scheme", "offset", "--quant-smooth", "0.5"], "does not apply to --quant-scheme offset"),
     (["--quant-smooth", "0.5"], "need --quant int8 or int4"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "1"], "--quant-smooth must be in [0, 1)"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "nan"], "--quant-smooth must be in [0, 1)"),
@@ -809,7 +814,7 @@ def test_smoothing_calibration_errors_are_one_line_and_leave_nothing(tiny_models
                           ExportOptions(context=64, prefill_chunk=CHUNK, quant="int8", quant_scheme="rows",
                                         calibration_prompts=prompts, calibration_count=5), progress=False)
         assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # no bundle, no temporary directory
-    with pytest.raises(ExportError, match="apply only to --for qnn-qdq16 and to smoothed rows"):
+    with pytest.raises(ExportError, match="apply only to --for qnn-qdq16 and to smoothed quantized"):
         export_bundle(tiny_models["llama"][0], str(out), ExportOptions(context=64, prefill_chunk=CHUNK, quant="int8",
                                                                        quant_scheme="rows", quant_smooth=0.0,
                                                                        calibration_count=5), progress=False)

@@ -102,12 +102,12 @@ def _describe_bundle(manifest) -> str:
     q = manifest.target.quant
     if not q:
         return manifest.target.dims.dtype
+    smooth = f", smoothed (alpha {q['smooth']})" if q.get("smooth") else ""
     if q.get("rows"):
-        smooth = f", smoothed (alpha {q['smooth']})" if q.get("smooth") else ""
         return (f"int8 per column, activations int8 per row (MatMulInteger), head too{smooth}, "
                 f"embed int8 b{q['block']}")
     offsets = " + offsets" if q.get("offsets") else ""
-    return f"int{q['bits']} b{q['block']}{offsets}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
+    return f"int{q['bits']} b{q['block']}{offsets}{smooth}, head int{q['head_bits']}, embed {q.get('embed', 'int8')}"
 
 
 def load_bundle(path: str, threads: int, backend: str):
