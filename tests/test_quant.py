@@ -818,3 +818,27 @@ def test_smoothing_calibration_errors_are_one_line_and_leave_nothing(tiny_models
         export_bundle(tiny_models["llama"][0], str(out), ExportOptions(context=64, prefill_chunk=CHUNK, quant="int8",
                                                                        quant_scheme="rows", quant_smooth=0.0,
                                                                        calibration_count=5), progress=False)
+
+
+def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, monkeypatch):
+    """By default a bundle keeps a source's own Q4_0/Q8_0 blocks (the GGUF's model, bit for bit) rather than
+    smoothing and requantizing them; --quant-smooth asks for smoothing all the same (the layer weights are then
+    requantized). The tiny GGUF has no tokenizer: it gets an empty one and calibrates on token ids."""
+    from specedge.export.sources import GGUFSource, TokenizerInfo
+
+    monkeypatch.setattr(GGUFSource, "tokenizer", lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
+    src, _, _ = _native_blocks(tmp_path, {n: "Q4_0" for n in LAYER_MATRICES})
+    ids = tmp_path / "ids.jsonl"
+    rng = np.random.default_rng(5)
+    ids.write_text("".join(json.dumps({"prompt_ids": rng.integers(0, 64, 40).tolist()}) + "\n" for _ in range(3)))
+    kept, smoothed = str(tmp_path / "kept"), str(tmp_path / "smoothed")
+    export_bundle(src.path, kept, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4",
+                                                calibration_prompts=str(ids)), progress=False)
+    export_bundle(src.path, smoothed, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4",
+                                                    quant_smooth=0.5, calibration_prompts=str(ids)), progress=False)
+    kept_q, smoothed_q = load_manifest(kept).target.quant, load_manifest(smoothed).target.quant
+    assert kept_q["smooth"] == 0 and "smoothing" not in kept_q
+    assert kept_q["source"]["native"] == 4  # qkv, o, gate_up, down copied (the float embedding and head are not)
+    assert smoothed_q["smooth"] == 0.5 and smoothed_q["smoothing"]["tokens"] == 64  # one window of the context
+    assert smoothed_q["source"]["native"] == 0 and smoothed_q["source"]["requantized"] == 6
+    assert check_bundle(kept).ok and check_bundle(smoothed).ok
