@@ -1,12 +1,12 @@
-"""Plain decode of float32, int8 and int4 bundles of one model, interleaved in one process, and the peak RSS
+"""Plain decode of bundles of one model (float32, int8, int4, ...), interleaved in one process, and the peak RSS
 of a whole `specedge generate` process for each (loading included).
 
-    python benchmarks/quant_speed.py F32_BUNDLE INT8_BUNDLE INT4_BUNDLE [--prompts tools/prompts/suite.jsonl]
+    python benchmarks/quant_speed.py REFERENCE_BUNDLE BUNDLE [BUNDLE ...] [--prompts tools/prompts/suite.jsonl]
         [--limit 12] [--max-new-tokens 128] [--threads 2] [--json OUT]
 
 Speed: every prompt runs plain greedy decode (`proposer="none"`, EOS ignored, so every run is the same
-amount of work) on each bundle in turn, so machine drift hits all three alike; the table gives the median
-tokens/s per bundle and its ratio to float32. Memory: one child process per bundle runs the CLI's
+amount of work) on each bundle in turn, so machine drift hits all alike; the table gives the median tokens/s
+per bundle (named by its directory) and its ratio to the first. Memory: one child process per bundle runs the CLI's
 `generate` on the first prompt with prompt lookup (gamma 8) and reports its kernel peak RSS (VmHWM) against
 the weights file plus the KV buffers it allocated, and, at the end of the run, its private memory (RssAnon)
 apart from its file-backed pages (RssFile: clean page cache of the libraries and the weights file).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,17 +33,21 @@ print(json.dumps(memory_report(gen)))
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bundles", nargs=3, metavar="BUNDLE", help="float32, int8 and int4 bundles of one model")
+    p.add_argument("bundles", nargs="+", metavar="BUNDLE", help="bundles of one model, the reference (float32) first")
     p.add_argument("--prompts", default="tools/prompts/suite.jsonl")
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args()
+    if len(a.bundles) < 2:
+        p.error("give the reference bundle and at least one more")
 
     from specedge.runtime.generator import Generator
 
-    names = ["float32", "int8", "int4"]
+    names = [os.path.basename(os.path.normpath(b)) for b in a.bundles]
+    if len(set(names)) < len(names):
+        names = [f"{i}:{n}" for i, n in enumerate(names)]
     gens = [Generator.load(b, threads=a.threads) for b in a.bundles]
     items = [json.loads(line) for line in open(a.prompts)][: a.limit]
     prompts = [gens[0].tokenizer.apply_chat_template(item["messages"]) for item in items]
@@ -67,13 +72,13 @@ def main() -> None:
         memory[name] = json.loads(r.stdout.strip().splitlines()[-1])
 
     print(f"plain decode, {len(prompts)} prompts x {a.max_new_tokens} tokens, {a.threads} threads, end to end")
-    print("| bundle | tok/s (median) | vs float32 | peak RSS MB | weights + KV MB | RSS / (weights + KV) "
+    print(f"| bundle | tok/s (median) | vs {names[0]} | peak RSS MB | weights + KV MB | RSS / (weights + KV) "
           "| at the end: private MB (ratio), file-backed MB |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
         m = memory[name]
         base = m["weights_mb"] + m["cache_mb"]
-        print(f"| {name} | {medians[name]:.1f} | {medians[name] / medians['float32']:.2f}x | {m['peak_rss_mb']:.0f} | "
+        print(f"| {name} | {medians[name]:.1f} | {medians[name] / medians[names[0]]:.2f}x | {m['peak_rss_mb']:.0f} | "
               f"{base:.0f} | {m['peak_rss_mb'] / base:.2f} | {m['private_mb']:.0f} ({m['private_mb'] / base:.2f}), "
               f"{m['file_backed_mb']:.0f} |")
     if a.json:
