@@ -16,7 +16,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from models import ContractDriver
+from models import GEMMA_CASES, ContractDriver, make_hf_model
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.graphs import quant as Q
@@ -842,3 +842,37 @@ def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, mo
     assert smoothed_q["smooth"] == 0.5 and smoothed_q["smoothing"]["tokens"] == 64  # one window of the context
     assert smoothed_q["source"]["native"] == 0 and smoothed_q["source"]["requantized"] == 6
     assert check_bundle(kept).ok and check_bundle(smoothed).ok
+
+
+@pytest.mark.parametrize("family,config", [("gemma2", GEMMA_CASES[2][1]), ("gemma3", GEMMA_CASES[3][1]),
+                                           ("phi3", {"partial_rotary_factor": 0.5})])
+def test_smoothing_keeps_the_float_graphs_of_every_family(tmp_path, family, config):
+    """Gemma 2/3 (norms by 1 + weight, sandwich norms: the MLP's input norm is pre_feedforward, GeLU gates) and
+    Phi-3 (fused q/k/v and gate/up in the source): a float32 bundle's weights file rewritten with smoothed
+    tensors (same names, shapes and offsets) gives the same logits from the same graphs."""
+    from specedge.export.sources import open_source
+    from specedge.export.weights import write_weights
+    from specedge.graphs import llama
+
+    model_dir, out = str(tmp_path / "model"), str(tmp_path / "bundle")
+    make_hf_model(model_dir, family, **config)
+    export_bundle(model_dir, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,)), progress=False)
+    src = open_source(model_dir)
+    rng = np.random.default_rng(6)
+    ranges = {name: rng.uniform(0.01, 30.0, k).astype(np.float32) for name, k in _product_inputs(src.config).items()}
+    tokens = rng.integers(0, 1000, CHUNK + 5).tolist()
+
+    def logits():
+        drv = ContractDriver(out)
+        drv.step(tokens[:CHUNK], "prefill", CHUNK)
+        return drv.step(tokens[CHUNK:], "step", 5)[0]
+
+    want = logits()
+    entry = load_manifest(out).target
+    index = read_index(os.path.join(out, weights_index_file(entry.weights)))
+    before = open(os.path.join(out, entry.weights), "rb").read()
+    refs = write_weights(os.path.join(out, entry.weights),
+                         llama.graph_weights(src.config, 64, "float32", src.tensor, act_ranges=ranges, alpha=0.5))
+    assert refs == {n: r for n, r in index.items() if n in refs} and open(os.path.join(out, entry.weights), "rb").read() != before
+    got = logits()
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
