@@ -293,7 +293,7 @@ def _copies_source_blocks(src: Source, quant: QuantSpec) -> bool:
 
 
 def _smoothing_calibration(tmp: str, tokenizer, opts: ExportOptions) -> tuple[list[list[int]], dict]:
-    """The token windows a rows bundle's smoothing calibrates on (export/smooth.py), from the calibration
+    """The token windows a quantized bundle's smoothing calibrates on (export/smooth.py), from the calibration
     prompts read with the tokenizer just written to `tmp`, and the manifest's record of them."""
     from ..runtime.tokenizer import Tokenizer
     from .qdq import DEFAULT_PROMPTS, load_prompt_ids

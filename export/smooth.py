@@ -1,4 +1,4 @@
-"""Calibration for a smoothed rows bundle: the largest |input| per channel of every weight product, measured by
+"""Calibration for a smoothed quantized bundle: the largest |input| per channel of every weight product, measured by
 running the model itself (the float32 step graph graphs/llama.py builds, with a tap at each product's input)
 over calibration prompts. graphs/quant.py says what the ranges are for.
 
