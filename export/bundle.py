@@ -47,8 +47,8 @@ class ExportOptions:
     quant_scheme: str | None = None  # symmetric (default), offset or rows (graphs/quant.py)
     quant_smooth: float | None = None  # SmoothQuant's alpha (default graphs/quant.py DEFAULT_SMOOTH; 0: none)
     flavour: str = "portable"  # one of FLAVOURS: how the contract is encoded for a target runtime
-    # qnn-qdq16 and smoothed quantized bundles: JSONL prompts to calibrate on (default: the prompt suite), how many of them
-    # (default export.qdq.DEFAULT_COUNT, export.smooth.DEFAULT_COUNT)
+    # qnn-qdq16 and smoothed quantized bundles: JSONL prompts to calibrate on (default: the prompt suite), how many
+    # of them (default export.qdq.DEFAULT_COUNT, export.smooth.DEFAULT_COUNT)
     calibration_prompts: str | None = None
     calibration_count: int | None = None
     jobs: int | None = None  # qnn-qdq16: graphs quantized at once in worker processes (default: qdq.default_jobs)

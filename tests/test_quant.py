@@ -558,7 +558,8 @@ def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_pa
     (["--quant", "int4", "--quant-scheme", "zero-point"], "--quant-scheme must be one of"),
     (["--quant", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
     (["--quant", "int8", "--quant-head", "int4", "--quant-scheme", "rows"], "--quant-scheme rows is int8 only"),
-    (["--quant", "int4", "--quant-scheme", "offset", "--quant-smooth", "0.5"], "does not apply to --quant-scheme offset"),
+    (["--quant", "int4", "--quant-scheme", "offset", "--quant-smooth", "0.5"],
+     "does not apply to --quant-scheme offset"),
     (["--quant-smooth", "0.5"], "need --quant int8 or int4"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "1"], "--quant-smooth must be in [0, 1)"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "nan"], "--quant-smooth must be in [0, 1)"),
@@ -792,9 +793,8 @@ def test_a_rows_draft_model_is_smoothed_with_its_own_ranges(tiny_models, tiny_dr
     """A separate draft model calibrates on the same prompts through its own float model; the bundle passes
     check and the record says so for both models."""
     out = str(tmp_path / "with-draft")
-    export_bundle(tiny_models["llama"][0], out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int8",
-                                                              quant_scheme="rows"),
-                  draft_path=tiny_draft_model[0], progress=False)
+    options = ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int8", quant_scheme="rows")
+    export_bundle(tiny_models["llama"][0], out, options, draft_path=tiny_draft_model[0], progress=False)
     manifest = load_manifest(out)
     target, draft = manifest.models["target"], manifest.models["draft"]
     assert target.quant["smoothing"] == draft.quant["smoothing"] and draft.quant["smooth"] == 0.5
@@ -826,7 +826,8 @@ def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, mo
     requantized). The tiny GGUF has no tokenizer: it gets an empty one and calibrates on token ids."""
     from specedge.export.sources import GGUFSource, TokenizerInfo
 
-    monkeypatch.setattr(GGUFSource, "tokenizer", lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
+    monkeypatch.setattr(GGUFSource, "tokenizer",
+                        lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
     src, _, _ = _native_blocks(tmp_path, {n: "Q4_0" for n in LAYER_MATRICES})
     ids = tmp_path / "ids.jsonl"
     rng = np.random.default_rng(5)
@@ -873,6 +874,7 @@ def test_smoothing_keeps_the_float_graphs_of_every_family(tmp_path, family, conf
     before = open(os.path.join(out, entry.weights), "rb").read()
     refs = write_weights(os.path.join(out, entry.weights),
                          llama.graph_weights(src.config, 64, "float32", src.tensor, act_ranges=ranges, alpha=0.5))
-    assert refs == {n: r for n, r in index.items() if n in refs} and open(os.path.join(out, entry.weights), "rb").read() != before
+    assert refs == {n: r for n, r in index.items() if n in refs}  # the graphs read the new tensors where the old were
+    assert open(os.path.join(out, entry.weights), "rb").read() != before
     got = logits()
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()

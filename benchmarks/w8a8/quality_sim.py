@@ -145,7 +145,8 @@ def folded_smoothing(stats: dict, model, alpha: float) -> dict:
     out = {}
     for i, layer in enumerate(model.model.layers):
         at, mlp = layer.self_attn, layer.mlp
-        qkv = factor(stats[(i, "q_proj")], torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).abs().amax(0))
+        qkv_weights = torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])
+        qkv = factor(stats[(i, "q_proj")], qkv_weights.abs().amax(0))
         gate_up = factor(stats[(i, "gate_proj")], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).abs().amax(0))
         o = factor(stats[(i, "o_proj")].reshape(Hkv, rep, D).amax(1),
                    at.o_proj.weight.abs().amax(0).reshape(Hkv, rep, D).amax(1))
