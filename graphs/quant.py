@@ -79,8 +79,9 @@ QUANT_IR_VERSION = 10  # the IR that introduced int4
 DEFAULT_BLOCK = {4: 32, 8: 32}
 # SmoothQuant's alpha: SmolLM2, simulated (benchmarks/w8a8/quality_sim.py, float head), calibrated on the prompt
 # suite and measured on benchmarks/quality/text.txt, top-1 agreement with float32 by alpha (0: unsmoothed):
-# rows 0: 90.0%, 0.4: 92.6%, 0.5: 93.7%, 0.6: 93.6%; int8 blocks 0: 96.1%, 0.3: 96.8%, 0.5: 97.6%, 0.65: 97.3%,
-# 0.8: 97.5%; int4 blocks (round to nearest) 0: 67.2%, 0.3: 67.7%, 0.5: 72.9%
+# rows 0: 90.0%, 0.4: 92.5%, 0.5: 93.6%, 0.6: 94.0% (bundles, int8 head: 0: 86.9%, 0.35: 90.0%, 0.5: 92.0%,
+# 0.65: 92.0%, 0.8: 89.6%); int8 blocks 0: 96.1%, 0.3: 96.8%, 0.5: 97.6%, 0.65: 97.3%, 0.8: 97.5% (bundles in
+# blocks of 16: 0.4: 97.3%, 0.5: 97.8%, 0.65: 97.5%); int4 blocks (round to nearest) 0: 67.2%, 0.3: 67.7%, 0.5: 72.9%
 DEFAULT_SMOOTH = 0.5
 ACCURACY_LEVEL = 4  # onnxruntime's qdq_matmulnbits_accuracy_level the graphs are exact under (see above)
 # onnxruntime session settings a quantized graph needs. MatMulAddFusion would turn the o/down projections and
