@@ -85,6 +85,12 @@ def _add_export(sub) -> None:
                    "over the prompt suite to measure each product's input ranges and folds the factors into the "
                    "norms and projections, the graphs unchanged (default 0.5, except where the bundle copies a "
                    "GGUF's own Q4_0/Q8_0 blocks, and for --quant-scheme offset: 0, no smoothing, no calibration)")
+    p.add_argument("--calibration", default=None, metavar="FILE.jsonl",
+                   help="prompts the calibrating exports read, one JSON object per line with messages, prompt or "
+                   "prompt_ids: --quant's smoothing and --for qnn-qdq16 (default: the prompt suite, "
+                   "tools/prompts/suite.jsonl)")
+    p.add_argument("--calibration-count", type=int, default=None, metavar="N",
+                   help="how many of those prompts, from the first (default: 64 for smoothing, 4 for qnn-qdq16)")
     p.add_argument("--prefill-logits", action="store_true",
                    help="give the prefill graph logits for every row (parity checks; slower prefill)")
     p.add_argument("--step-mask", action="store_true",
@@ -104,6 +110,7 @@ def _run_export(a) -> int:
                          dtype="float16" if qnn else a.dtype, draft_layers=a.draft_layers, prefill_logits=a.prefill_logits,
                          step_mask=a.step_mask, tree_sizes=tuple(a.tree), quant=a.quant, quant_block=a.quant_block, quant_head=a.quant_head,
                          quant_scheme=a.quant_scheme, quant_smooth=a.quant_smooth, jobs=a.jobs,
+                         calibration_prompts=a.calibration, calibration_count=a.calibration_count,
                          flavour={"qnn": "qnn-fp16", "qnn-qdq16": "qnn-qdq16"}.get(a.for_runtime, "portable"))
     m = export_bundle(a.target, a.out, opts, draft_path=a.draft, force=a.force, progress=not a.quiet)
     graphs = sum(len(x.graphs) for x in m.models.values())

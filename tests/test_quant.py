@@ -563,6 +563,9 @@ def test_greedy_speculative_equals_plain_on_quantized_graphs(tiny_models, tmp_pa
     (["--quant-smooth", "0.5"], "need --quant int8 or int4"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "1"], "--quant-smooth must be in [0, 1)"),
     (["--quant", "int8", "--quant-scheme", "rows", "--quant-smooth", "nan"], "--quant-smooth must be in [0, 1)"),
+    (["--quant", "int8", "--calibration", "/nonexistent/prompts.jsonl"], "cannot read the calibration prompts"),
+    (["--calibration-count", "3"], "apply only to --for qnn-qdq16 and to smoothed quantized"),
+    (["--quant", "int4", "--calibration-count", "0"], "the calibration needs at least one prompt"),
 ])
 def test_bad_quant_options_fail_cleanly(tiny_models, tmp_path, args, message):
     out = tmp_path / "bundle"
@@ -878,3 +881,16 @@ def test_smoothing_keeps_the_float_graphs_of_every_family(tmp_path, family, conf
     assert open(os.path.join(out, entry.weights), "rb").read() != before
     got = logits()
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_export_cli_calibrates_on_the_prompts_it_is_given(tiny_models, tmp_path):
+    from specedge.cli import main
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": list(range(10 * i, 10 * i + 40))}) + "\n" for i in range(3)))
+    out = str(tmp_path / "bundle")
+    assert main(["export", "--target", tiny_models["llama"][0], "--out", out, "--context", "64", "--prefill-chunk",
+                 str(CHUNK), "--gamma", "4", "--quant", "int8", "--calibration", str(ids), "--calibration-count", "2",
+                 "--quiet"]) == 0
+    assert load_manifest(out).target.quant["smoothing"] == {"alpha": 0.5, "prompts": "ids.jsonl", "prompt_count": 2,
+                                                            "tokens": 64}
