@@ -20,7 +20,7 @@ from .. import __version__
 from ..graphs import contract as C
 from ..graphs import llama
 from ..graphs.builder import GraphBuilder
-from ..graphs.quant import QUANT_IR_VERSION, QUANT_OPSET, QuantSpec, parse_quant
+from ..graphs.quant import DEFAULT_SMOOTH, QUANT_IR_VERSION, QUANT_OPSET, QuantSpec, parse_quant
 from ..graphs.manifest import (GraphEntry, Manifest, ModelEntry, TokenizerEntry, WeightRef, graph_file,
                                read_index, weights_file, weights_index_file, write_index)
 from ..errors import ExportError
@@ -231,6 +231,10 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
     quant = opts.quant_spec()
     if quant and quant.smooth and opts.quant_smooth is None and _copies_source_blocks(src, quant):
+        if opts.calibration_prompts is not None or opts.calibration_count is not None:
+            raise ExportError(f"{os.path.basename(src.path)}'s quantized blocks are copied as they are stored, "
+                              "unsmoothed, so the calibration settings would go unused: add --quant-smooth "
+                              f"{DEFAULT_SMOOTH} to smooth (and requantize) them, or leave those settings out")
         quant = replace(quant, smooth=0.0)  # by default a bundle keeps the source's own quantized model
     quant_record = None
     if shared is None:

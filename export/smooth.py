@@ -32,8 +32,7 @@ def calibration_windows(prompts: list[list[int]], window: int = WINDOW) -> list[
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def activation_ranges(cfg: llama.LlamaConfig, tensor, windows: list[list[int]], threads: int | None = None
-                      ) -> dict[str, np.ndarray]:
+def activation_ranges(cfg: llama.LlamaConfig, tensor, windows: list[list[int]]) -> dict[str, np.ndarray]:
     """Weight name -> [K] float32, the largest |x[:, k]| of that product's input x over `windows` (each a list
     of token ids, all of one length). `tensor(name)` gives the float32 weights by transformers name."""
     import onnxruntime as ort
@@ -52,10 +51,7 @@ def activation_ranges(cfg: llama.LlamaConfig, tensor, windows: list[list[int]], 
             g.declare_output(C.TensorSpec(value, "float32", (refs[weight].shape[0],)))
         path = os.path.join(tmp, "calibration.onnx")
         onnx.save(g.build(), path)
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         names = list(taps)
         ranges: dict[str, np.ndarray] = {}
         for ids in windows:

@@ -826,7 +826,9 @@ def test_smoothing_calibration_errors_are_one_line_and_leave_nothing(tiny_models
 def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, monkeypatch):
     """By default a bundle keeps a source's own Q4_0/Q8_0 blocks (the GGUF's model, bit for bit) rather than
     smoothing and requantizing them; --quant-smooth asks for smoothing all the same (the layer weights are then
-    requantized). The tiny GGUF has no tokenizer: it gets an empty one and calibrates on token ids."""
+    requantized), and calibration settings without it are an error, not ignored. The tiny GGUF has no
+    tokenizer: it gets an empty one and calibrates on token ids."""
+    from specedge.errors import ExportError
     from specedge.export.sources import GGUFSource, TokenizerInfo
 
     monkeypatch.setattr(GGUFSource, "tokenizer",
@@ -836,8 +838,13 @@ def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, mo
     rng = np.random.default_rng(5)
     ids.write_text("".join(json.dumps({"prompt_ids": rng.integers(0, 64, 40).tolist()}) + "\n" for _ in range(3)))
     kept, smoothed = str(tmp_path / "kept"), str(tmp_path / "smoothed")
-    export_bundle(src.path, kept, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4",
-                                                calibration_prompts=str(ids)), progress=False)
+    for settings in ({"calibration_prompts": str(ids)}, {"calibration_count": 2}):
+        with pytest.raises(ExportError, match="copied as they are stored.*add --quant-smooth 0.5"):
+            export_bundle(src.path, kept, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4",
+                                                        **settings), progress=False)
+        assert not os.path.exists(kept)
+    export_bundle(src.path, kept, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4"),
+                  progress=False)
     export_bundle(src.path, smoothed, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), quant="int4",
                                                     quant_smooth=0.5, calibration_prompts=str(ids)), progress=False)
     kept_q, smoothed_q = load_manifest(kept).target.quant, load_manifest(smoothed).target.quant
