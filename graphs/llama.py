@@ -539,7 +539,7 @@ def _scaled_rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: st
 def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str, g: GraphBuilder,
                      step_mask: bool = False, context: int | None = None, quant: QuantSpec | None = None,
                      scaled_norm: bool = False, mask_value: float | None = None, same_ops: bool = False,
-                     matmul_head: bool = False, taps: dict[str, str] | None = None) -> None:
+                     matmul_head: bool = False, taps: dict[str, str] | None = None) -> str:
     """Fill `g` with the step graph for T = `tokens` over a past of `context` slots (a bucket <= dims.context;
     role: contract.PREFILL or contract.STEP). `quant` picks the weight-only quantized flavour: the same graph,
     with each weight product reading DequantizeLinear(W.q, W.scale) and the embedding dequantized per row.
@@ -555,7 +555,9 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
     flavour: the HTP places a per-channel quantized MatMul, not a Gemm over the transposed embedding table
     whose dequantized copy the embedding's Gather also reads).
     `taps`: filled with weight name -> a value holding the largest |input| per input channel of that weight's
-    product over the step's rows (export/smooth.py calibrates with it; the caller makes them graph outputs)."""
+    product over the step's rows (export/smooth.py calibrates with it; the caller makes them graph outputs).
+    Returns the value of the residual stream after the last layer, [B*T, E] (export/smooth.py carries it from
+    one layer's graph to the next)."""
     B, T, S = dims.batch, tokens, context or dims.context
     H, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     rep = H // Hkv
@@ -803,3 +805,4 @@ def build_step_graph(cfg: LlamaConfig, dims: C.ModelDims, tokens: int, role: str
         if dt != "float32":
             g.op("Cast", logits, to=1, name=C.LOGITS)
         g.declare_output(out_specs[C.LOGITS])
+    return x

@@ -732,24 +732,37 @@ def test_smoothing_leaves_the_float_model_unchanged(tiny_models, family):
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_activation_ranges_are_the_largest_inputs_transformers_sees(tiny_models, family):
-    """export/smooth.py's ranges (the float32 step graph with a tap per product) against forward pre-hooks on
-    transformers' linear layers, over the same windows, each a sequence of its own."""
+@pytest.mark.parametrize("family,config", [("llama", None), ("qwen2", None), ("qwen3", None),
+                                           ("gemma2", GEMMA_CASES[2][1]), ("gemma3", GEMMA_CASES[3][1]),
+                                           ("phi3", {"partial_rotary_factor": 0.5})])
+def test_activation_ranges_are_the_largest_inputs_transformers_sees(tiny_models, tmp_path, family, config):
+    """export/smooth.py's ranges (the float32 step graphs with a tap per product, one layer at a time, the
+    residual stream carried between them) against forward pre-hooks on transformers' linear layers, over the same
+    windows, each a sequence of its own. Gemma 2/3: the embedding's scale, sandwich norms, sliding layers (a
+    window of 4, shorter than the calibration windows) between full ones, Gemma 3's local RoPE base on them;
+    Phi-3: fused q/k/v and gate/up."""
     import torch
 
     from specedge.export.smooth import activation_ranges, calibration_windows
     from specedge.export.sources import open_source
 
-    src = open_source(tiny_models[family][0])
+    if config is None:
+        model_dir, model = tiny_models[family]
+    else:
+        model_dir = str(tmp_path / family)
+        model = make_hf_model(model_dir, family, **config)
+    src = open_source(model_dir)
     rng = np.random.default_rng(4)
     windows = calibration_windows([rng.integers(0, 1000, n).tolist() for n in (30, 25, 20)], window=24)
     assert [len(w) for w in windows] == [24, 24, 24]  # 75 ids: three whole windows, the rest dropped
     got = activation_ranges(src.config, src.tensor, windows)
-    model, want, hooks = tiny_models[family][1], {}, []
+    want, hooks = {}, []
     for i, layer in enumerate(model.model.layers):
-        for module, name in ((layer.self_attn.q_proj, f"layers.{i}.qkv"), (layer.self_attn.o_proj, f"layers.{i}.o"),
-                             (layer.mlp.gate_proj, f"layers.{i}.gate_up"), (layer.mlp.down_proj, f"layers.{i}.down")):
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, name in ((getattr(attn, "qkv_proj", None) or attn.q_proj, f"layers.{i}.qkv"),
+                             (attn.o_proj, f"layers.{i}.o"),
+                             (getattr(mlp, "gate_up_proj", None) or mlp.gate_proj, f"layers.{i}.gate_up"),
+                             (mlp.down_proj, f"layers.{i}.down")):
             hooks.append((module, name))
     hooks.append((model.lm_head, "lm_head"))
 
