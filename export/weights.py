@@ -31,7 +31,7 @@ def write_weights(path: str, tensors: Iterable[tuple[str, np.ndarray | PackedInt
             pad = -offset % (PAGE if data.nbytes >= 1 << 16 else SMALL)
             f.write(b"\0" * pad)
             offset += pad
-            f.write(data.tobytes())
+            f.write(data.reshape(-1).view(np.uint8))  # the array's own bytes: no copy of a 113 MB table
             refs[name] = WeightRef(name, dtype, shape, offset, data.nbytes)
             offset += data.nbytes
             if on_tensor:

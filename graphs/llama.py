@@ -310,6 +310,11 @@ def copies_as_stored(b: Blocks | None, quant: QuantSpec, bits: int, offsets: boo
     return b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
 
 
+def _abs_max_rows(w: np.ndarray, rows: int = 4096) -> np.ndarray:
+    """max |w[:, k]| over the rows of w [out, in], `rows` at a time (an |w| copy of a tied head is 113 MB)."""
+    return np.max([np.abs(w[r:r + rows]).max(axis=0) for r in range(0, w.shape[0], rows)], axis=0)
+
+
 def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
                   quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
                   report: QuantReport | None = None, matmul_head: bool = False,
@@ -344,15 +349,23 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     smoothing = act_ranges is not None and alpha > 0
     into, out_of = {}, {}  # weight name -> factors its input rows are multiplied by / output columns divided by
 
+    # A weight is read as float32 [out, in]; the largest (a tied head: V x hidden) is copied as few times as the
+    # products allow: the export's peak memory is a few copies of it.
     def in_range(parts: list[tuple[str, np.float32]]) -> np.ndarray:  # [in]: largest |W[k, :]| over the parts
-        return np.max([np.abs(hf(n) * f).max(axis=0) for n, f in parts], axis=0)
+        # |f| * max|w| is max|f * w| to the bit: rounding a product by a positive scale keeps the order
+        return np.max([_abs_max_rows(hf(n)) * abs(f) for n, f in parts], axis=0)
 
-    def smoothed(name: str, w: np.ndarray) -> np.ndarray:  # W [in, out] with its input and output factors
+    def smoothed(name: str, parts: list[tuple[str, np.float32]]) -> np.ndarray:
+        """W = concat(factor * hf(part)).T [in, out], C order, times its input and output factors."""
+        mats = [hf(n) if f == 1 else hf(n) * f for n, f in parts]
+        w = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
+        del mats
+        w = np.array(w.T, dtype=np.float32, order="C")  # a copy of its own: scaled in place below
         if name in into:
-            w = w * into[name][:, None]
+            w *= into[name][:, None]
         if name in out_of:
-            w = w / out_of[name][None, :]
-        return w.astype(np.float32)
+            w /= out_of[name][None, :]
+        return w
 
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
@@ -372,7 +385,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             if offsets and out.offset is None:
                 out.offset = np.zeros_like(out.scale)
             return out
-        w = np.ascontiguousarray(smoothed(name, np.concatenate([hf(n) * factor for n, factor in parts], axis=0).T))
+        w = smoothed(name, parts)
         if offsets:
             q, scale, offset = quantize_offset_blocks(w, bits, quant.block)
             out = Blocks(q, scale, bits, quant.block, offset)
@@ -380,7 +393,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             out = Blocks(*quantize_blocks(w, bits, w.shape[0]), bits, w.shape[0])
         else:  # the head keeps plain round-to-nearest: a least-squares scale clips its outliers (quantize_blocks)
             out = Blocks(*quantize_blocks(w, bits, quant.block, search=name != "lm_head"), bits, quant.block)
-        report.requantized[name] = relative_error(w, out.dequantized())
+        report.requantized[name] = relative_error(w, out)
         return out
 
     def stored(name: str, b: Blocks, transpose: bool = False):
@@ -393,8 +406,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 
     def matrix(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None):
         if quant is None:
-            w = np.concatenate([hf(n) * factor for n, factor in parts], axis=0)
-            yield name, np.ascontiguousarray(smoothed(name, w.T)).astype(np_dtype)
+            yield name, smoothed(name, parts).astype(np_dtype, copy=False)
         else:
             yield from stored(name, blocks(name, parts, bits or quant.bits))
 
@@ -408,7 +420,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         yield "rope_local.sin", sin.astype(np_dtype)
     embed = "model.embed_tokens.weight"
     if quant is None:
-        yield "embed", hf(embed).astype(np_dtype)
+        yield "embed", hf(embed).astype(np_dtype, copy=False)
     else:  # [V, hidden] rows for Gather: the head's layout transposed, blocks along hidden
         yield from stored("embed", blocks("embed", [(embed, one)], 8), transpose=True)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

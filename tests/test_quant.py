@@ -38,6 +38,23 @@ def test_int4_packing_matches_onnx_decoder():
         np.testing.assert_array_equal(Q.unpack_int4(packed, shape), q)
 
 
+def test_quantizing_by_chunks_of_columns_changes_nothing(monkeypatch):
+    """graphs/quant.py quantizes COLUMNS columns at a time (the export's memory): the same integers, scales,
+    offsets and reported error as the whole matrix at once, for a width that is not a multiple of the chunk."""
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((72, 50)) * rng.uniform(0.1, 3, 50)).astype(np.float32)
+    monkeypatch.setattr(Q, "COLUMNS", 16)
+    chunked = [Q.quantize_blocks(w, 4, 32), Q.quantize_blocks(w, 8, 32), Q.quantize_offset_blocks(w, 4, 32)]
+    error = Q.relative_error(w, Q.Blocks(*chunked[0], 4, 32))
+    monkeypatch.setattr(Q, "COLUMNS", 1 << 20)
+    whole = [Q.quantize_blocks(w, 4, 32), Q.quantize_blocks(w, 8, 32), Q.quantize_offset_blocks(w, 4, 32)]
+    for got, want in zip(chunked, whole):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    deq = Q.dequantize_blocks(*whole[0], 32)
+    assert error == pytest.approx(np.linalg.norm(w - deq) / np.linalg.norm(w), rel=1e-6) and error > 0.01
+
+
 @pytest.mark.parametrize("bits,block,K,search", [(4, 32, 64, True), (8, 32, 96, True), (4, 128, 576, True),
                                                  (8, 16, 40, True), (4, 32, 64, False)])
 def test_quantize_blocks_rounds_to_nearest_on_a_symmetric_grid(bits, block, K, search):
