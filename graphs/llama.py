@@ -356,7 +356,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         return np.max([_abs_max_rows(hf(n)) * abs(f) for n, f in parts], axis=0)
 
     def smoothed(name: str, parts: list[tuple[str, np.float32]]) -> np.ndarray:
-        """W = concat(factor * hf(part)).T [in, out], C order, times its input and output factors."""
+        """W = concat(factor * hf(part)).T [in, out], C order, its rows times its input factors and its columns
+        divided by its output factors."""
         mats = [hf(n) if f == 1 else hf(n) * f for n, f in parts]
         w = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
         del mats
