@@ -230,12 +230,15 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
     quant = opts.quant_spec()
-    if quant and quant.smooth and opts.quant_smooth is None and _copies_source_blocks(src, quant):
+    # By default a bundle keeps the source's own quantized blocks (GGUF Q4_0/Q8_0...) where it can store them as
+    # they are, and smooths the products it requantizes anyway; --quant-smooth smooths (and requantizes) all.
+    keep_native = bool(quant and quant.smooth and opts.quant_smooth is None)
+    if keep_native and llama.copies_every_product(cfg, quant, src.blocks):
         if opts.calibration_prompts is not None or opts.calibration_count is not None:
             raise ExportError(f"{os.path.basename(src.path)}'s quantized blocks are copied as they are stored, "
                               "unsmoothed, so the calibration settings would go unused: add --quant-smooth "
                               f"{DEFAULT_SMOOTH} to smooth (and requantize) them, or leave those settings out")
-        quant = replace(quant, smooth=0.0)  # by default a bundle keeps the source's own quantized model
+        quant = replace(quant, smooth=0.0)
     quant_record = None
     if shared is None:
         weights = weights_file(name)
@@ -248,7 +251,7 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
         refs = write_weights(os.path.join(bundle, weights),
                              llama.graph_weights(cfg, opts.context, opts.dtype, src.tensor, quant=quant,
                                                  native=src.blocks, report=report, matmul_head=matmul_head,
-                                                 act_ranges=ranges),
+                                                 act_ranges=ranges, keep_native=keep_native),
                              on_tensor=progress.update)
         if not (quant or matmul_head):  # the float Gemm head reads its table in parts
             refs.update(llama.head_parts(cfg, refs))
@@ -288,12 +291,6 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     return ModelEntry(dims=dims, family=cfg.family, weights=weights, graphs=graphs,
                       source=os.path.basename(os.path.normpath(src.path)),
                       layers_of="target" if shared is not None else None, quant=quant_record)
-
-
-def _copies_source_blocks(src: Source, quant: QuantSpec) -> bool:
-    """Whether the bundle would copy the source's layer weights as they are stored (GGUF Q4_0/Q8_0 blocks)."""
-    return not quant.rows and llama.copies_as_stored(src.blocks("model.layers.0.self_attn.q_proj.weight"), quant,
-                                                     quant.bits, quant.offsets)
 
 
 def _smoothing_calibration(tmp: str, tokenizer, opts: ExportOptions) -> tuple[list[list[int]], dict]:

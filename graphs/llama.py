@@ -294,10 +294,11 @@ class QuantReport:
 
     native: list[str] = field(default_factory=list)
     requantized: dict[str, float] = field(default_factory=dict)  # name -> ||W - deq(q)|| / ||W||
+    smoothed: list[str] = field(default_factory=list)  # products stored with input factors (graphs/quant.py)
 
     def to_json(self) -> dict:
         errs = list(self.requantized.values())
-        return {"native": len(self.native), "requantized": len(errs),
+        return {"native": len(self.native), "requantized": len(errs), "smoothed": len(self.smoothed),
                 "relative_error_mean": round(float(np.mean(errs)), 6) if errs else 0.0,
                 "relative_error_max": round(float(np.max(errs)), 6) if errs else 0.0,
                 "worst": max(self.requantized, key=self.requantized.get) if errs else None}
@@ -310,6 +311,40 @@ def copies_as_stored(b: Blocks | None, quant: QuantSpec, bits: int, offsets: boo
     return b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
 
 
+def source_blocks(quant: QuantSpec, native: Callable[[str], Blocks | None] | None, name: str,
+                  parts: list[tuple[str, np.float32]], bits: int) -> list[Blocks] | None:
+    """The source's own blocks of each part of product `name` when the bundle stores them as they are (every
+    part's blocks fit; never for the rows scheme, whose single scale per column no source stores), else None."""
+    if native is None or (quant.rows and name != "embed"):
+        return None
+    offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
+    found = [native(n) for n, _ in parts]
+    return found if all(copies_as_stored(b, quant, bits, offsets) for b in found) else None
+
+
+def layer_products(cfg: LlamaConfig, i: int, q_factor: np.float32 = np.float32(1)
+                   ) -> dict[str, list[tuple[str, np.float32]]]:
+    """Layer i's weight products, bundle name -> its parts (transformers name, factor), stacked along the output:
+    q/k/v and gate/up fused. `q_factor` multiplies the queries (the 1/sqrt(D) graph_weights folds into them)."""
+    p, a, m, one = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", np.float32(1)
+    return {p + "qkv": [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one), (a + "v_proj.weight", one)],
+            p + "o": [(a + "o_proj.weight", one)],
+            p + "gate_up": [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)],
+            p + "down": [(m + "down_proj.weight", one)]}
+
+
+def head_weight(cfg: LlamaConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+def copies_every_product(cfg: LlamaConfig, quant: QuantSpec, native: Callable[[str], Blocks | None] | None) -> bool:
+    """Whether a quantized bundle stores every weight product (each layer's and the head) as the source's own
+    blocks (e.g. a GGUF all in Q8_0): then there is nothing to smooth without requantizing."""
+    products = [(name, parts, quant.bits) for i in range(cfg.num_layers) for name, parts in
+                layer_products(cfg, i).items()] + [("lm_head", [(head_weight(cfg), np.float32(1))], quant.head_bits)]
+    return all(source_blocks(quant, native, *product) is not None for product in products)
+
+
 def _abs_max_rows(w: np.ndarray, rows: int = 4096) -> np.ndarray:
     """max |w[:, k]| over the rows of w [out, in], `rows` at a time (an |w| copy of a tied head is 113 MB)."""
     return np.max([np.abs(w[r:r + rows]).max(axis=0) for r in range(0, w.shape[0], rows)], axis=0)
@@ -318,8 +353,8 @@ def _abs_max_rows(w: np.ndarray, rows: int = 4096) -> np.ndarray:
 def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str], np.ndarray],
                   quant: QuantSpec | None = None, native: Callable[[str], Blocks | None] | None = None,
                   report: QuantReport | None = None, matmul_head: bool = False,
-                  act_ranges: dict[str, np.ndarray] | None = None, alpha: float | None = None
-                  ) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
+                  act_ranges: dict[str, np.ndarray] | None = None, alpha: float | None = None,
+                  keep_native: bool = False) -> Iterator[tuple[str, np.ndarray | PackedInt4]]:
     """Yield the graph's tensors, one at a time, from HF-named float32 tensors.
 
     `hf(name)` returns a tensor by its transformers name (e.g. "model.layers.0.self_attn.q_proj.weight").
@@ -335,7 +370,9 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     `act_ranges` (export/smooth.py: each product's largest input per channel, by weight name) smooths the
     products with SmoothQuant's `alpha` (default quant.smooth), folded into the norms and projections that
     make their inputs (graphs/quant.py); the float model's function is unchanged. The head is smoothed when it
-    is a MatMul weight of its own (quantized, or `matmul_head`).
+    is a MatMul weight of its own (quantized, or `matmul_head`). With `keep_native`, a product whose source
+    blocks the bundle stores as they are gets no input factors (they would mean requantizing it): it stays the
+    source's own, and only its output columns may be divided (its scales, the ints unchanged).
     """
     np_dtype = np.dtype(dtype)
     scale = np.float32(cfg.query_scale if cfg.query_scale is not None else 1.0 / math.sqrt(cfg.head_dim))
@@ -368,12 +405,21 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             w /= out_of[name][None, :]
         return w
 
+    def smooths(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None) -> bool:
+        """Whether product `name` gets input factors."""
+        if not smoothing:
+            return False
+        if keep_native and quant is not None and source_blocks(quant, native, name, parts, bits or quant.bits):
+            return False
+        report.smoothed.append(name)
+        return True
+
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
         offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
         rows = quant.rows and name != "embed"  # one scale per output column: no source stores that
-        found = [native(n) for n, _ in parts] if native and not rows and name not in into else [None]
-        if all(copies_as_stored(b, quant, bits, offsets) for b in found):
+        found = None if name in into else source_blocks(quant, native, name, parts, bits)
+        if found is not None:
             found = [b.split(quant.block) for b in found]
             for b in found:
                 b.bits = bits
@@ -383,6 +429,9 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
                     b.offset = None if b.offset is None else (b.offset * factor).astype(np.float32)
             report.native.append(name)
             out = Blocks.concat(found)
+            if name in out_of:  # W[:, j] / g_j is q[:, j] * (scale[:, j] / g_j): the ints stay the source's
+                out.scale = (out.scale / out_of[name][None, :]).astype(np.float32)
+                out.offset = None if out.offset is None else (out.offset / out_of[name][None, :]).astype(np.float32)
             if offsets and out.offset is None:
                 out.offset = np.zeros_like(out.scale)
             return out
@@ -426,29 +475,32 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         yield from stored("embed", blocks("embed", [(embed, one)], 8), transpose=True)
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for i in range(cfg.num_layers):
-        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        p, a = f"layers.{i}.", f"model.layers.{i}.self_attn."
         # fold 1/sqrt(D) into the queries (RMSNorm would undo it in Qwen3: folded into its q_norm there)
         q_factor = one if cfg.qk_norm else scale
-        qkv = [(a + "q_proj.weight", q_factor), (a + "k_proj.weight", one), (a + "v_proj.weight", one)]
-        gate_up = [(m + "gate_proj.weight", one), (m + "up_proj.weight", one)]
-        o, down = [(a + "o_proj.weight", one)], [(m + "down_proj.weight", one)]
-        if smoothing:  # every factor of the layer first: the norms and q/k/v come before the products they feed
+        products = layer_products(cfg, i, q_factor)
+        qkv, o, gate_up, down = (products[p + n] for n in ("qkv", "o", "gate_up", "down"))
+        # every factor of the layer first: the norms and q/k/v come before the products they feed
+        if smooths(p + "qkv", qkv):
             into[p + "qkv"] = smoothing_factors(act_ranges[p + "qkv"], in_range(qkv), alpha)
+        if smooths(p + "gate_up", gate_up):
             into[p + "gate_up"] = smoothing_factors(act_ranges[p + "gate_up"], in_range(gate_up), alpha)
+        if smooths(p + "down", down):
             into[p + "down"] = smoothing_factors(act_ranges[p + "down"], in_range(down), alpha)
+            out_of[p + "gate_up"] = np.concatenate([np.ones(cfg.intermediate_size, np.float32), into[p + "down"]])
+        if smooths(p + "o", o):
             # o's input channel h*D + d is value channel (h // rep)*D + d: one factor per kv head's channel
             grouped = [r.reshape(Hkv, H // Hkv, D).max(axis=1) for r in (act_ranges[p + "o"], in_range(o))]
             per_kv = smoothing_factors(*grouped, alpha)  # [Hkv, D]
             into[p + "o"] = np.repeat(per_kv[:, None, :], H // Hkv, axis=1).reshape(H * D)
             out_of[p + "qkv"] = np.concatenate([np.ones((H + Hkv) * D, np.float32), per_kv.reshape(-1)])
-            out_of[p + "gate_up"] = np.concatenate([np.ones(cfg.intermediate_size, np.float32), into[p + "down"]])
         attn_norm = norm(f"model.layers.{i}.input_layernorm.weight")
-        yield p + "attn_norm", (attn_norm / into[p + "qkv"] if smoothing else attn_norm).astype(np_dtype)
+        yield p + "attn_norm", (attn_norm / into[p + "qkv"] if p + "qkv" in into else attn_norm).astype(np_dtype)
         yield from matrix(p + "qkv", qkv)
         if cfg.attention_bias:
             qb = hf(a + "q_proj.bias") * q_factor
             bias = np.concatenate([qb, hf(a + "k_proj.bias"), hf(a + "v_proj.bias")])
-            yield p + "qkv_bias", (bias / out_of[p + "qkv"] if smoothing else bias).astype(np_dtype)
+            yield p + "qkv_bias", (bias / out_of[p + "qkv"] if p + "qkv" in out_of else bias).astype(np_dtype)
         if cfg.qk_norm:
             qn = norm(a + "q_norm.weight") * scale
             kn = norm(a + "k_norm.weight")
@@ -461,14 +513,15 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             mlp_norm = norm(layer + "pre_feedforward_layernorm.weight")
         else:
             mlp_norm = norm(layer + "post_attention_layernorm.weight")
-        yield p + "mlp_norm", (mlp_norm / into[p + "gate_up"] if smoothing else mlp_norm).astype(np_dtype)
+        yield p + "mlp_norm", (mlp_norm / into[p + "gate_up"] if p + "gate_up" in into else mlp_norm).astype(np_dtype)
         yield from matrix(p + "gate_up", gate_up)
         yield from matrix(p + "down", down)
         if cfg.sandwich_norms:
             yield p + "mlp_out_norm", norm(layer + "post_feedforward_layernorm.weight").astype(np_dtype)
-    head = embed if cfg.tie_word_embeddings else "lm_head.weight"
+    head = head_weight(cfg)
     final_norm = norm("model.norm.weight")
-    if smoothing and (quant is not None or matmul_head):  # a float Gemm head reads the embedding table itself
+    # a float Gemm head reads the embedding table itself
+    if (quant is not None or matmul_head) and smooths("lm_head", [(head, one)], quant and quant.head_bits):
         into["lm_head"] = smoothing_factors(act_ranges["lm_head"], in_range([(head, one)]), alpha)
         final_norm = final_norm / into["lm_head"]
     yield "norm", final_norm.astype(np_dtype)

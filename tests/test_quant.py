@@ -856,14 +856,15 @@ def test_smoothing_calibration_errors_are_one_line_and_leave_nothing(tiny_models
 def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, monkeypatch):
     """By default a bundle keeps a source's own Q4_0/Q8_0 blocks (the GGUF's model, bit for bit) rather than
     smoothing and requantizing them; --quant-smooth asks for smoothing all the same (the layer weights are then
-    requantized), and calibration settings without it are an error, not ignored. The tiny GGUF has no
-    tokenizer: it gets an empty one and calibrates on token ids."""
+    requantized), and calibration settings without it are an error, not ignored, when every product is copied
+    (here the Q4_0 layers and the Q8_0 tied head). The tiny GGUF has no tokenizer: it gets an empty one and
+    calibrates on token ids."""
     from specedge.errors import ExportError
     from specedge.export.sources import GGUFSource, TokenizerInfo
 
     monkeypatch.setattr(GGUFSource, "tokenizer",
                         lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
-    src, _, _ = _native_blocks(tmp_path, {n: "Q4_0" for n in LAYER_MATRICES})
+    src, _, _ = _native_blocks(tmp_path, {n: "Q4_0" for n in LAYER_MATRICES}, {"token_embd.weight": "Q8_0"})
     ids = tmp_path / "ids.jsonl"
     rng = np.random.default_rng(5)
     ids.write_text("".join(json.dumps({"prompt_ids": rng.integers(0, 64, 40).tolist()}) + "\n" for _ in range(3)))
@@ -879,10 +880,64 @@ def test_a_gguf_whose_blocks_are_copied_is_smoothed_only_when_asked(tmp_path, mo
                                                     quant_smooth=0.5, calibration_prompts=str(ids)), progress=False)
     kept_q, smoothed_q = load_manifest(kept).target.quant, load_manifest(smoothed).target.quant
     assert kept_q["smooth"] == 0 and "smoothing" not in kept_q
-    assert kept_q["source"]["native"] == 4  # qkv, o, gate_up, down copied (the float embedding and head are not)
+    assert kept_q["source"]["native"] == 6 and kept_q["source"]["smoothed"] == 0  # qkv, o, gate_up, down, embed, head
     assert smoothed_q["smooth"] == 0.5 and smoothed_q["smoothing"]["tokens"] == 64  # one window of the context
-    assert smoothed_q["source"]["native"] == 0 and smoothed_q["source"]["requantized"] == 6
+    assert smoothed_q["source"]["native"] == 1 and smoothed_q["source"]["requantized"] == 5  # the embedding is kept
+    assert smoothed_q["source"]["smoothed"] == 5
     assert check_bundle(kept).ok and check_bundle(smoothed).ok
+
+
+def test_a_mixed_gguf_keeps_its_copied_blocks_and_smooths_the_rest(tmp_path, monkeypatch):
+    """A GGUF whose layers are Q8_0 but for a float down projection (and a float tied head): by default the
+    bundle copies the Q8_0 products as they are and smooths the two it requantizes anyway. down's factors divide
+    the up columns of gate_up, which stays the source's ints with those columns' scales divided; the stored
+    tensors compute the source's functions (the MLP, the head, q/k/v) within int8 error."""
+    from specedge.export.sources import GGUFSource, TokenizerInfo
+    from specedge.graphs import llama
+
+    monkeypatch.setattr(GGUFSource, "tokenizer",
+                        lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
+    src, _, _ = _native_blocks(tmp_path, {n: "Q8_0" for n in LAYER_MATRICES if "ffn_down" not in n})
+    cfg, spec = src.config, Q.QuantSpec(bits=8, block=32, head_bits=8)
+    assert not llama.copies_every_product(cfg, spec, src.blocks)
+    assert llama.copies_every_product(cfg, spec, lambda n: src.blocks(n) or src.blocks("model.layers.0.mlp.up_proj.weight"))
+    rng = np.random.default_rng(8)
+    ranges = {name: rng.uniform(0.01, 30.0, k).astype(np.float32) for name, k in _product_inputs(cfg).items()}
+    report = llama.QuantReport()
+    stored = dict(llama.graph_weights(cfg, 64, "float32", src.tensor, quant=Q.QuantSpec(8, 32, 8, smooth=0.5),
+                                      native=src.blocks, report=report, act_ranges=ranges, keep_native=True))
+    assert report.native == ["layers.0.qkv", "layers.0.o", "layers.0.gate_up"]
+    assert report.smoothed == ["layers.0.down", "lm_head"] and set(report.requantized) == {"embed", "layers.0.down",
+                                                                                          "lm_head"}
+
+    def deq(name):
+        return stored[name + ".q"].astype(np.float32) * np.repeat(stored[name + ".scale"], 32, axis=0)
+
+    F = cfg.intermediate_size
+    gate, up = src.blocks("model.layers.0.mlp.gate_proj.weight"), src.blocks("model.layers.0.mlp.up_proj.weight")
+    assert np.array_equal(stored["layers.0.gate_up.q"], np.concatenate([gate.q, up.q], axis=1))  # the source's ints
+    assert np.array_equal(stored["layers.0.gate_up.scale"][:, :F], gate.scale)
+    assert not np.allclose(stored["layers.0.gate_up.scale"][:, F:], up.scale)
+    for name, product in (("layers.0.qkv", "self_attn.q_proj"), ("layers.0.o", "self_attn.o_proj")):
+        assert np.array_equal(stored[name + ".q"][:, :cfg.hidden_size],
+                              src.blocks(f"model.layers.0.{product}.weight").q[:, :cfg.hidden_size])
+    assert np.array_equal(stored["layers.0.attn_norm"], src.tensor("model.layers.0.input_layernorm.weight"))
+
+    x = rng.standard_normal((16, cfg.hidden_size)).astype(np.float32)
+
+    def mlp(norm, gate_up, down):
+        h = (x * norm) @ gate_up
+        return (h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]) @ down
+
+    want = mlp(src.tensor("model.layers.0.post_attention_layernorm.weight"),
+               np.concatenate([src.tensor("model.layers.0.mlp.gate_proj.weight"),
+                               src.tensor("model.layers.0.mlp.up_proj.weight")]).T,
+               src.tensor("model.layers.0.mlp.down_proj.weight").T)
+    got = mlp(stored["layers.0.mlp_norm"], deq("layers.0.gate_up"), deq("layers.0.down"))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+    want = (x * src.tensor("model.norm.weight")) @ src.tensor("model.embed_tokens.weight").T
+    got = (x * stored["norm"]) @ deq("lm_head")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
 
 
 @pytest.mark.parametrize("family,config", [("gemma2", GEMMA_CASES[2][1]), ("gemma3", GEMMA_CASES[3][1]),
