@@ -230,10 +230,10 @@ def _export_model(bundle: str, name: str, src: Source, opts: ExportOptions, step
     cfg = src.config
     dims = cfg.dims(opts.context, opts.batch, opts.dtype, num_layers)
     quant = opts.quant_spec()
-    # By default a bundle keeps the source's own quantized blocks (GGUF Q4_0/Q8_0...) where it can store them as
-    # they are, and smooths the products it requantizes anyway; --quant-smooth smooths (and requantizes) all.
+    # By default a bundle keeps the source's own 4-bit blocks (GGUF Q4_0) where it can store them as they are,
+    # and smooths every other product (llama.keeps_source_blocks); --quant-smooth smooths (and requantizes) all.
     keep_native = bool(quant and quant.smooth and opts.quant_smooth is None)
-    if keep_native and llama.copies_every_product(cfg, quant, src.blocks):
+    if keep_native and llama.keeps_every_product(cfg, quant, src.blocks):
         if opts.calibration_prompts is not None or opts.calibration_count is not None:
             raise ExportError(f"{os.path.basename(src.path)}'s quantized blocks are copied as they are stored, "
                               "unsmoothed, so the calibration settings would go unused: add --quant-smooth "

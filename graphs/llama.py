@@ -337,12 +337,22 @@ def head_weight(cfg: LlamaConfig) -> str:
     return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
 
-def copies_every_product(cfg: LlamaConfig, quant: QuantSpec, native: Callable[[str], Blocks | None] | None) -> bool:
-    """Whether a quantized bundle stores every weight product (each layer's and the head) as the source's own
-    blocks (e.g. a GGUF all in Q8_0): then there is nothing to smooth without requantizing."""
+def keeps_source_blocks(quant: QuantSpec, native: Callable[[str], Blocks | None] | None, name: str,
+                        parts: list[tuple[str, np.float32]], bits: int) -> bool:
+    """Whether a smoothed bundle keeps product `name` as the source stores it, unsmoothed: for 4-bit weights only.
+    Requantizing a smoothed int4 product costs its weights ~8% relative error (SmolLM2's Q4_1 -> int4: 70% top-1
+    agreement with float32 where the copied blocks give 96%), while int8's own rounding is ~0.5% and smoothing
+    wins there: SmolLM2's Q8_0 head kept as stored gave 96.71% in an int8 bundle, smoothed and requantized 97.21%
+    (benchmarks/quality/README.md)."""
+    return bits == 4 and source_blocks(quant, native, name, parts, bits) is not None
+
+
+def keeps_every_product(cfg: LlamaConfig, quant: QuantSpec, native: Callable[[str], Blocks | None] | None) -> bool:
+    """Whether a smoothed bundle would keep every weight product (each layer's and the head) as the source
+    stores it (e.g. int4 with an int4 head from a GGUF all in Q4_0): then nothing would be smoothed."""
     products = [(name, parts, quant.bits) for i in range(cfg.num_layers) for name, parts in
                 layer_products(cfg, i).items()] + [("lm_head", [(head_weight(cfg), np.float32(1))], quant.head_bits)]
-    return all(source_blocks(quant, native, *product) is not None for product in products)
+    return all(keeps_source_blocks(quant, native, *product) for product in products)
 
 
 def _abs_max_rows(w: np.ndarray, rows: int = 4096) -> np.ndarray:
@@ -370,9 +380,10 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     `act_ranges` (export/smooth.py: each product's largest input per channel, by weight name) smooths the
     products with SmoothQuant's `alpha` (default quant.smooth), folded into the norms and projections that
     make their inputs (graphs/quant.py); the float model's function is unchanged. The head is smoothed when it
-    is a MatMul weight of its own (quantized, or `matmul_head`). With `keep_native`, a product whose source
-    blocks the bundle stores as they are gets no input factors (they would mean requantizing it): it stays the
-    source's own, and only its output columns may be divided (its scales, the ints unchanged).
+    is a MatMul weight of its own (quantized, or `matmul_head`). With `keep_native`, a 4-bit product whose
+    source blocks the bundle can store as they are gets no input factors (they would mean requantizing it:
+    keeps_source_blocks): it stays the source's own, only its output columns may be divided (its scales, the
+    ints unchanged).
     """
     np_dtype = np.dtype(dtype)
     scale = np.float32(cfg.query_scale if cfg.query_scale is not None else 1.0 / math.sqrt(cfg.head_dim))
@@ -409,7 +420,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         """Whether product `name` gets input factors."""
         if not smoothing:
             return False
-        if keep_native and quant is not None and source_blocks(quant, native, name, parts, bits or quant.bits):
+        if keep_native and quant is not None and keeps_source_blocks(quant, native, name, parts, bits or quant.bits):
             return False
         report.smoothed.append(name)
         return True
