@@ -56,9 +56,9 @@ input, so the graph is unchanged and the float model computes the same function:
 q/k/v and before gate/up, the value projection's output columns before the output projection (one factor per
 kv head's channel, shared by the query heads that read it), the up projection's output columns before the
 down projection (act(gate) * up is linear in up), the final norm before the head. `smooth` records alpha (0:
-not smoothed); export/smooth.py measures the a_k. The weights are requantized after smoothing, so a source
-whose blocks a bundle would copy as they are (GGUF Q4_0/Q8_0; the offset scheme's Q4_1) keeps them unless
-smoothing is asked for (export/bundle.py).
+not smoothed); export/smooth.py measures the a_k. The weights are requantized after smoothing, so by default a
+product that a bundle stores as the source's own 4-bit blocks (GGUF Q4_0; the offset scheme's Q4_1) stays
+unsmoothed unless smoothing is asked for; 8-bit products are smoothed (graphs/llama.py keeps_source_blocks).
 
 int4 tensors are packed two per byte, element i in byte i//2, the low nibble first (ONNX's order).
 """

@@ -65,8 +65,9 @@ def _add_export(sub) -> None:
                    "available memory holds)")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
-                   "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q8_0/Q4_0 blocks are "
-                   "copied as they are, other types are requantized and the error is reported (default none)")
+                   "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q4_0 blocks of int4 products "
+                   "are copied as they are (Q8_0 and Q4_0 blocks of int8 ones too when unsmoothed), other types are "
+                   "requantized and the error is reported (default none)")
     p.add_argument("--quant-block", type=int, default=None, metavar="N",
                    help="input rows per quantization scale, a power of two in 16..256 (default 32). Smaller blocks "
                    "are closer to float32 and larger; where a CPU computes int4 in the bundle's block inexactly (AVX2-"
@@ -83,8 +84,9 @@ def _add_export(sub) -> None:
     p.add_argument("--quant-smooth", type=float, default=None, metavar="ALPHA",
                    help="with --quant: SmoothQuant's migration strength in [0, 1); the export runs the float model "
                    "over the prompt suite to measure each product's input ranges and folds the factors into the "
-                   "norms and projections, the graphs unchanged (default 0.5, except where the bundle copies a "
-                   "GGUF's own Q4_0/Q8_0 blocks, and for --quant-scheme offset: 0, no smoothing, no calibration)")
+                   "norms and projections, the graphs unchanged (default 0.5, products stored as a GGUF's own Q4_0 "
+                   "blocks left unsmoothed, and 0 where that is all of them or for --quant-scheme offset: no "
+                   "smoothing, no calibration)")
     p.add_argument("--calibration", default=None, metavar="FILE.jsonl",
                    help="prompts the calibrating exports read, one JSON object per line with messages, prompt or "
                    "prompt_ids: --quant's smoothing and --for qnn-qdq16 (default: the prompt suite, "
@@ -121,7 +123,8 @@ def _run_export(a) -> int:
             error = (f" (relative error mean {src['relative_error_mean']:.4f}, max {src['relative_error_max']:.4f} in "
                      f"{src['worst']})" if src["requantized"] else "")
             smooth = model.quant.get("smoothing")
-            smoothed = (f", smoothed (alpha {smooth['alpha']}, calibrated on {smooth['tokens']} tokens of "
+            products = f"{src['smoothed']} products, " if "smoothed" in src else ""  # recorded since 2026-12-08
+            smoothed = (f", smoothed (alpha {smooth['alpha']}, {products}calibrated on {smooth['tokens']} tokens of "
                         f"{smooth['prompts']})" if smooth else "")
             scheme = (", offsets per block" if model.quant.get("offsets") else
                       " (embedding), per column elsewhere, integer products" if model.quant.get("rows") else "")
