@@ -523,8 +523,10 @@ class GGUFSource(Source):
         of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
         input dimension: exactly the ONNX layout, ints and scales copied bit for bit. Q4_1 (f16 d, f16 m, the
         nibbles as Q4_0's; value d * nibble + m) is the offset layout: ints nibble - 8 and scale d copied,
-        offset m + 8d (one float32 rounding at most). A Phi-3 part is its rows of the fused tensor: blocks run along
-        the input, so the part's columns of the fused blocks are its blocks."""
+        offset m + 8d (one float32 rounding at most). Q4_K (super-blocks of 256: f16 d and dmin, 12 bytes of 6-bit
+        scales sc and minima mn for its 8 blocks of 32, 128 bytes of nibbles; value d * sc * nibble - dmin * mn) is
+        the offset layout too, in blocks of 32: scale d * sc, offset 8 * scale - dmin * mn. A Phi-3 part is its rows
+        of the fused tensor: blocks run along the input, so the part's columns of the fused blocks are its blocks."""
         if is_phi3_part(hf_name, self.config):
             fused, (first, end) = phi3_rows(hf_name, self.config)
             b = self.blocks(fused)
@@ -534,9 +536,11 @@ class GGUFSource(Source):
             return Blocks(part(b.q), part(b.scale), b.bits, b.block, part(b.offset))
         t = self._gguf_tensor(hf_name)
         kind = t.tensor_type.name
-        if kind not in ("Q8_0", "Q4_0", "Q4_1") or len(t.shape) != 2:
+        if kind not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K") or len(t.shape) != 2:
             return None
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
+        if kind == "Q4_K":
+            return self._q4_k_blocks(hf_name, np.ascontiguousarray(t.data, dtype=np.uint8), n_in, n_out)
         raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, -1)  # [out, blocks, bytes]
         d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [out, in/32]
         offset = None
@@ -551,6 +555,23 @@ class GGUFSource(Source):
         q = self._unpermute(hf_name, q.reshape(n_out, n_in))
         d = self._unpermute(hf_name, d)
         return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32, offset)
+
+    def _q4_k_blocks(self, hf_name: str, data: np.ndarray, n_in: int, n_out: int) -> Blocks:
+        """Q4_K's super-blocks (ggml's block_q4_K) as offset blocks of 32 (see blocks())."""
+        raw = data.reshape(n_out, n_in // 256, 144)
+        d, dmin = (raw[:, :, i:i + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)[:, :, None] for i in (0, 2))
+        s = raw[:, :, 4:16].astype(np.uint8)
+        # block j < 4: 6 low bits of bytes j (scale) and j + 4 (minimum); j >= 4: the nibbles of byte j + 4 below
+        # the top 2 bits of bytes j - 4 (scale) and j (minimum)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=2)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=2)
+        scale = d * sc.astype(np.float32)  # [out, in/256, 8]: exact (an f16 times a 6-bit integer)
+        offset = 8 * scale - dmin * mn.astype(np.float32)
+        nib = raw[:, :, 16:].reshape(n_out, n_in // 256, 4, 32)  # chunk c: block 2c in the low nibbles, 2c+1 high
+        q = np.stack([nib & 0x0F, nib >> 4], axis=3).astype(np.int8) - 8  # [out, in/256, 4, 2, 32]
+        q = self._unpermute(hf_name, q.reshape(n_out, n_in))
+        scale, offset = (self._unpermute(hf_name, a.reshape(n_out, n_in // 32)) for a in (scale, offset))
+        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T), 4, 32, np.ascontiguousarray(offset.T))
 
     def tokenizer(self) -> TokenizerInfo:
         # llama.cpp ends a generation at end-of-sequence, end-of-turn and end-of-message alike (Llama 3 instruct

@@ -341,21 +341,23 @@ def test_quantized_graphs_match_dequantized_oracle(quant_bundles, tiny_models, f
 
 
 # -- GGUF blocks ----------------------------------------------------------------------------------------
-def _write_gguf(path: str, types: dict[str, str], arch: str = "llama") -> dict[str, np.ndarray]:
-    """A one-layer llama GGUF (hidden 64, 2 heads of 32, 1 KV head) whose matrices have the given GGML types;
-    returns the float tensors it was made from, by GGUF name. `arch` "phi3": q/k/v fused as attn_qkv, gate/up
-    as ffn_up (llama.cpp's layout for Phi-3)."""
+def _write_gguf(path: str, types: dict[str, str], arch: str = "llama", E: int = 64, F: int = 128
+                ) -> dict[str, np.ndarray]:
+    """A one-layer llama GGUF (hidden E, 2 heads of E/2, 1 KV head, MLP width F) whose matrices have the given
+    GGML types; returns the float tensors it holds, by GGUF name (Q4_K ones, which gguf cannot quantize, are
+    random super-blocks, dequantized by gguf). `arch` "phi3": q/k/v fused as attn_qkv, gate/up as ffn_up
+    (llama.cpp's layout for Phi-3)."""
     import gguf
 
     rng = np.random.default_rng(3)
-    E, F, V = 64, 128, 96
-    shapes = {"token_embd.weight": (V, E), "blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (32, E),
-              "blk.0.attn_v.weight": (32, E), "blk.0.attn_output.weight": (E, E), "blk.0.ffn_gate.weight": (F, E),
-              "blk.0.ffn_up.weight": (F, E), "blk.0.ffn_down.weight": (E, F)}
+    V = 96
+    shapes = {"token_embd.weight": (V, E), "blk.0.attn_q.weight": (E, E), "blk.0.attn_k.weight": (E // 2, E),
+              "blk.0.attn_v.weight": (E // 2, E), "blk.0.attn_output.weight": (E, E),
+              "blk.0.ffn_gate.weight": (F, E), "blk.0.ffn_up.weight": (F, E), "blk.0.ffn_down.weight": (E, F)}
     if arch == "phi3":
         for part in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
             del shapes[f"blk.0.{part}.weight"]
-        shapes.update({"blk.0.attn_qkv.weight": (E + 64, E), "blk.0.ffn_up.weight": (2 * F, E)})
+        shapes.update({"blk.0.attn_qkv.weight": (2 * E, E), "blk.0.ffn_up.weight": (2 * F, E)})
     w = gguf.GGUFWriter(path, arch)
     for key, value in (("block_count", 1), ("embedding_length", E), ("feed_forward_length", F),
                        ("attention.head_count", 2), ("attention.head_count_kv", 1), ("vocab_size", V)):
@@ -368,6 +370,12 @@ def _write_gguf(path: str, types: dict[str, str], arch: str = "llama") -> dict[s
         kind = gguf.GGMLQuantizationType[types.get(name, "F32")]
         if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, t)
+        elif kind == gguf.GGMLQuantizationType.Q4_K:  # random bytes but for d and dmin: any such block is valid
+            raw = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
+            raw[:, :, :4] = rng.uniform(0.001, 0.05, (shape[0], shape[1] // 256, 2)).astype(np.float16).view(np.uint8)
+            raw = raw.reshape(shape[0], -1)
+            made[name] = gguf.quants.dequantize(raw, kind).reshape(shape)
+            w.add_tensor(name, raw, raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(t, kind), raw_dtype=kind)
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
@@ -383,7 +391,7 @@ LAYER_MATRICES = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.we
                   "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"]
 
 
-def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | None = None):
+def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | None = None, **sizes):
     """The tiny GGUF with these tensor types (and `others`); (its GGUFSource, the float tensors it was made
     from, [(gguf tensor, transformers name, the source's Blocks)] for the tensors in `types`)."""
     import gguf
@@ -391,7 +399,7 @@ def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | Non
     from specedge.export.sources import GGUFSource
 
     path = str(tmp_path / "tiny.gguf")
-    made = _write_gguf(path, {**types, **(others or {})})
+    made = _write_gguf(path, {**types, **(others or {})}, **sizes)
     src = GGUFSource(path)
     found = [(t, src._hf_name(t.name)) for t in gguf.GGUFReader(path).tensors if t.name in types]
     return src, made, [(t, name, src.blocks(name)) for t, name in found]
@@ -462,6 +470,30 @@ def test_gguf_phi3_fused_blocks_copy_bit_exactly(tmp_path, kind, bits):
     list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(bits=bits, block=32,
                              head_bits=bits), native=src.blocks, report=report))
     assert not report.requantized and len(report.native) == 4 + 2
+
+
+def test_gguf_q4_k_super_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
+    """Q4_K (super-blocks of 256 with 6-bit scales and minima for their 8 blocks of 32, value d * sc * nibble -
+    dmin * mn): random super-blocks read as offset blocks of 32 dequantize to gguf's own values (to float32
+    rounding), q and k rows in the exporter's order included. The offset scheme copies them, int8 too (4-bit
+    ints fit); the symmetric scheme requantizes them."""
+    from specedge.graphs import llama
+
+    src, made, found = _native_blocks(tmp_path, {n: "Q4_K" for n in LAYER_MATRICES}, E=256, F=512)
+    for t, hf_name, b in found:
+        assert (b.bits, b.block) == (4, 32) and b.q.min() == -8 and b.q.max() == 7 and b.offset is not None
+        want = src.tensor(hf_name).T  # gguf's dequantizer, in the exporter's row order
+        np.testing.assert_allclose(b.dequantized(), want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=hf_name)
+        assert len(np.unique(b.scale)) > 50  # the 6-bit scales vary per block: all of them were unpacked
+    for bits in (4, 8):
+        report = llama.QuantReport()
+        list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(bits, 32, 8, offsets=True),
+                                 native=src.blocks, report=report))
+        assert report.native == ["layers.0.qkv", "layers.0.o", "layers.0.gate_up", "layers.0.down"], bits
+    report = llama.QuantReport()
+    list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(4, 32, 8), native=src.blocks,
+                             report=report))
+    assert not report.native
 
 
 def test_gguf_q4_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
