@@ -30,7 +30,8 @@ hold (Q4_1's minimum is a float, not a multiple of its scale):
 
 and the graph adds the offset's product as a low-rank term: x @ W = x @ DequantizeLinear(W_q, W_scale) +
 (x @ S) @ W_offset, with S [K, K/block] the constant block-sum matrix (1 where row k is in block b). Q4_1
-tensors are copied exactly (q - 8, d, m + 8d), so an int4 bundle of a Q4_1 GGUF is that GGUF's model;
+tensors are copied exactly (q - 8, d, m + 8d), and Q4_K's blocks of 32 (q - 8, d * sc, 8 * d * sc - dmin * mn),
+so an int4 bundle of a Q4_1 or Q4_K GGUF is that GGUF's model (up to its other tensors' types);
 float tensors get min/max round-to-nearest blocks. The embedding and the head stay symmetric.
 
 With `rows` (`--quant int8 --quant-scheme rows`) the products are integer products instead: each weight (the

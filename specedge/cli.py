@@ -77,7 +77,7 @@ def _add_export(sub) -> None:
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset,rows}",
                    help="symmetric blocks (default), or blocks plus a float offset per block for the layer weights "
-                   "(GGUF Q4_1's layout, copied exactly; a low-rank product in the graph adds the offsets), or "
+                   "(GGUF Q4_1's layout: Q4_1 and Q4_K copied exactly; a low-rank product in the graph adds the offsets), or "
                    "rows (int8 only: weights per output column, activations quantized per row in the graph, integer "
                    "products; verify and prefill steps cost far less, exact on every CPU, less precise; "
                    "--quant-block then applies to the embedding only)")

@@ -496,6 +496,30 @@ def test_gguf_q4_k_super_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
     assert not report.native
 
 
+def test_a_q4_k_gguf_exports_to_an_offset_bundle_that_computes_its_model(tmp_path, monkeypatch):
+    """The whole path: a Q4_K GGUF exported with --quant int4 --quant-scheme offset copies every layer weight,
+    passes check, and its logits are the float32 bundle's of the same file within accuracy level 4's int8
+    activations."""
+    from specedge.export.sources import GGUFSource, TokenizerInfo
+
+    monkeypatch.setattr(GGUFSource, "tokenizer",
+                        lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
+    src, _, _ = _native_blocks(tmp_path, {n: "Q4_K" for n in LAYER_MATRICES}, E=256, F=512)
+    tokens = np.random.default_rng(9).integers(0, 96, CHUNK + 5).tolist()
+    logits = {}
+    for name, quant in (("f32", {}), ("off4", {"quant": "int4", "quant_scheme": "offset"})):
+        out = str(tmp_path / name)
+        export_bundle(src.path, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), **quant),
+                      progress=False)
+        assert check_bundle(out).ok
+        drv = ContractDriver(out, session_config=load_manifest(out).target.session_config)
+        drv.step(tokens[:CHUNK], "prefill", CHUNK)
+        logits[name] = drv.step(tokens[CHUNK:], "step", 5)[0]
+    assert load_manifest(str(tmp_path / "off4")).target.quant["source"]["native"] == 4  # the layers; not the F32 head
+    err = np.abs(logits["off4"] - logits["f32"]).max() / np.abs(logits["f32"]).max()
+    assert 0 < err < 0.03, err
+
+
 def test_gguf_q4_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
     """Q4_1 (scale d and minimum m per block, value d * nibble + m): the ints and scales are copied, the
     offset is m + 8d, and the blocks dequantize to gguf's own values (to float32 rounding). Under the offset
