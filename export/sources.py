@@ -327,6 +327,20 @@ _GGUF_SANDWICH_NAMES = {
 }
 
 
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block of raw [out, blocks, bytes], as float32 [out, blocks]."""
+    return raw[:, :, at:at + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+
+
+def _nibbles(nib: np.ndarray, high: np.ndarray | None) -> np.ndarray:
+    """A ggml block's 32 values from its 16 bytes of nibbles [out, blocks, 16] (element j the low nibble of byte
+    j, j + 16 the high one) and, for 5 bits, its qh [out, blocks, 1] uint32 (bit j: element j's fifth bit)."""
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=2)
+    if high is not None:
+        q = q | (((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+    return q
+
+
 class GGUFSource(Source):
     config_name = "the GGUF metadata"
 
@@ -519,14 +533,16 @@ class GGUFSource(Source):
         return self._unpermute(hf_name, np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
 
     def blocks(self, hf_name: str) -> Blocks | None:
-        """Q8_0 (blocks of 32: f16 scale d, 32 int8) and Q4_0 (f16 d, 16 bytes: element j in the low nibble
-        of byte j, element j+16 in its high nibble, value nibble - 8) are symmetric blocks of 32 along the
-        input dimension: exactly the ONNX layout, ints and scales copied bit for bit. Q4_1 (f16 d, f16 m, the
-        nibbles as Q4_0's; value d * nibble + m) is the offset layout: ints nibble - 8 and scale d copied,
-        offset m + 8d (one float32 rounding at most). Q4_K (super-blocks of 256: f16 d and dmin, 12 bytes of 6-bit
-        scales sc and minima mn for its 8 blocks of 32, 128 bytes of nibbles; value d * sc * nibble - dmin * mn) is
-        the offset layout too, in blocks of 32: scale d * sc, offset 8 * scale - dmin * mn. A Phi-3 part is its rows
-        of the fused tensor: blocks run along the input, so the part's columns of the fused blocks are its blocks."""
+        """The GGUF types whose blocks are the ONNX layout's, blocks of 32 along the input dimension, ints and
+        scales copied bit for bit (ggml's block structs; nibble j of a block is the low nibble of byte j, j + 16
+        the high one; a 5-bit value's fifth bit is bit j of the block's 32-bit qh):
+        * symmetric: Q8_0 (f16 d, 32 int8), Q4_0 (f16 d, nibbles, value d * (nibble - 8)), Q5_0 (f16 d, qh,
+          nibbles, value d * (q5 - 16), into int8);
+        * offset (value d * q + m, stored as ints q - c, scale d, offset m + c * d with c = 8 or 16): Q4_1 and
+          Q5_1 (f16 d, f16 m, then as Q4_0 / Q5_0), and the K-quants Q4_K and Q5_K, whose super-blocks of 256
+          hold 8 blocks of 32 (see _k_quant_blocks).
+        The offsets take one float32 rounding at most. 5-bit ints are int8 weights. A Phi-3 part is its rows of
+        the fused tensor: blocks run along the input, so the part's columns of the fused blocks are its blocks."""
         if is_phi3_part(hf_name, self.config):
             fused, (first, end) = phi3_rows(hf_name, self.config)
             b = self.blocks(fused)
@@ -536,42 +552,60 @@ class GGUFSource(Source):
             return Blocks(part(b.q), part(b.scale), b.bits, b.block, part(b.offset))
         t = self._gguf_tensor(hf_name)
         kind = t.tensor_type.name
-        if kind not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K") or len(t.shape) != 2:
+        if kind not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K") or len(t.shape) != 2:
             return None
         n_in, n_out = int(t.shape[0]), int(t.shape[1])
-        if kind == "Q4_K":
-            return self._q4_k_blocks(hf_name, np.ascontiguousarray(t.data, dtype=np.uint8), n_in, n_out)
-        raw = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, -1)  # [out, blocks, bytes]
-        d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [out, in/32]
-        offset = None
-        if kind == "Q8_0":
-            q = raw[:, :, 2:].copy().view(np.int8)  # [out, in/32, 32]
+        data = np.ascontiguousarray(t.data, dtype=np.uint8)
+        if kind.endswith("_K"):
+            q, scale, offset = self._k_quant_blocks(data, n_in, n_out, five=kind == "Q5_K")
         else:
-            nib = raw[:, :, 4:] if kind == "Q4_1" else raw[:, :, 2:]
-            q = (np.concatenate([nib & 0x0F, nib >> 4], axis=2).astype(np.int16) - 8).astype(np.int8)
-            if kind == "Q4_1":
-                m = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-                offset = np.ascontiguousarray(self._unpermute(hf_name, m + 8 * d).T)
+            raw = data.reshape(n_out, n_in // 32, -1)  # [out, blocks, bytes]
+            scale = _f16(raw, 0)  # [out, in/32]
+            offset = None
+            if kind == "Q8_0":
+                q = raw[:, :, 2:].copy().view(np.int8)  # [out, in/32, 32]
+            else:
+                at = 4 if kind.endswith("_1") else 2  # the nibbles (Q4) or qh (Q5) follow d and m
+                five = kind.startswith("Q5")
+                high = raw[:, :, at:at + 4].copy().view("<u4") if five else None  # [out, in/32, 1]
+                centre = 16 if five else 8
+                q = _nibbles(raw[:, :, at + 4 if five else at:], high).astype(np.int16) - centre
+                q = q.astype(np.int8)
+                if kind.endswith("_1"):
+                    offset = _f16(raw, 2) + centre * scale
+        bits = 4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8
         q = self._unpermute(hf_name, q.reshape(n_out, n_in))
-        d = self._unpermute(hf_name, d)
-        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), 8 if kind == "Q8_0" else 4, 32, offset)
+        scale = self._unpermute(hf_name, scale.reshape(n_out, n_in // 32))
+        offset = None if offset is None else np.ascontiguousarray(
+            self._unpermute(hf_name, offset.reshape(n_out, n_in // 32)).T)
+        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T), bits, 32, offset)
 
-    def _q4_k_blocks(self, hf_name: str, data: np.ndarray, n_in: int, n_out: int) -> Blocks:
-        """Q4_K's super-blocks (ggml's block_q4_K) as offset blocks of 32 (see blocks())."""
-        raw = data.reshape(n_out, n_in // 256, 144)
-        d, dmin = (raw[:, :, i:i + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)[:, :, None] for i in (0, 2))
-        s = raw[:, :, 4:16].astype(np.uint8)
+    @staticmethod
+    def _k_quant_blocks(data: np.ndarray, n_in: int, n_out: int, five: bool
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q4_K / Q5_K super-blocks of 256 (ggml's block_q4_K: f16 d and dmin, 12 bytes of 6-bit scales sc and
+        minima mn for the 8 blocks of 32, Q5_K then 32 bytes qh, and 128 bytes of nibbles, chunk c of 32 bytes
+        holding block 2c in its low nibbles and 2c + 1 in its high ones; Q5_K's fifth bit of element l of block j
+        is bit j of qh[l]). Value d * sc * q - dmin * mn: -> ints q - c, scale d * sc (exact: an f16 times a
+        6-bit integer), offset c * scale - dmin * mn, each [out, in/32] (c = 8, or 16 for 5-bit)."""
+        nb = n_in // 256
+        raw = data.reshape(n_out, nb, -1)
+        d, dmin = _f16(raw, 0)[:, :, None], _f16(raw, 2)[:, :, None]
+        s = raw[:, :, 4:16]
         # block j < 4: 6 low bits of bytes j (scale) and j + 4 (minimum); j >= 4: the nibbles of byte j + 4 below
         # the top 2 bits of bytes j - 4 (scale) and j (minimum)
         sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=2)
         mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=2)
-        scale = d * sc.astype(np.float32)  # [out, in/256, 8]: exact (an f16 times a 6-bit integer)
-        offset = 8 * scale - dmin * mn.astype(np.float32)
-        nib = raw[:, :, 16:].reshape(n_out, n_in // 256, 4, 32)  # chunk c: block 2c in the low nibbles, 2c+1 high
-        q = np.stack([nib & 0x0F, nib >> 4], axis=3).astype(np.int8) - 8  # [out, in/256, 4, 2, 32]
-        q = self._unpermute(hf_name, q.reshape(n_out, n_in))
-        scale, offset = (self._unpermute(hf_name, a.reshape(n_out, n_in // 32)) for a in (scale, offset))
-        return Blocks(np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T), 4, 32, np.ascontiguousarray(offset.T))
+        scale = d * sc.astype(np.float32)  # [out, in/256, 8]
+        nib = raw[:, :, 48 if five else 16:].reshape(n_out, nb, 4, 32)
+        q = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(n_out, nb, 8, 32)  # [out, in/256, block, element]
+        centre = 8
+        if five:
+            qh = raw[:, :, 16:48]  # [out, in/256, 32]: bit j of byte l is element l of block j
+            q = q | (((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+            centre = 16
+        offset = centre * scale - dmin * mn.astype(np.float32)
+        return (q.astype(np.int16) - centre).astype(np.int8), scale, offset
 
     def tokenizer(self) -> TokenizerInfo:
         # llama.cpp ends a generation at end-of-sequence, end-of-turn and end-of-message alike (Llama 3 instruct

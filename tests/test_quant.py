@@ -344,7 +344,7 @@ def test_quantized_graphs_match_dequantized_oracle(quant_bundles, tiny_models, f
 def _write_gguf(path: str, types: dict[str, str], arch: str = "llama", E: int = 64, F: int = 128
                 ) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF (hidden E, 2 heads of E/2, 1 KV head, MLP width F) whose matrices have the given
-    GGML types; returns the float tensors it holds, by GGUF name (Q4_K ones, which gguf cannot quantize, are
+    GGML types; returns the float tensors it holds, by GGUF name (K-quant ones, which gguf cannot quantize, are
     random super-blocks, dequantized by gguf). `arch` "phi3": q/k/v fused as attn_qkv, gate/up as ffn_up
     (llama.cpp's layout for Phi-3)."""
     import gguf
@@ -370,8 +370,9 @@ def _write_gguf(path: str, types: dict[str, str], arch: str = "llama", E: int = 
         kind = gguf.GGMLQuantizationType[types.get(name, "F32")]
         if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, t)
-        elif kind == gguf.GGMLQuantizationType.Q4_K:  # random bytes but for d and dmin: any such block is valid
-            raw = rng.integers(0, 256, (shape[0], shape[1] // 256, 144), dtype=np.uint8)
+        elif kind.name.endswith("_K"):  # random bytes but for d and dmin: any such super-block is valid
+            size = gguf.GGML_QUANT_SIZES[kind][1]
+            raw = rng.integers(0, 256, (shape[0], shape[1] // 256, size), dtype=np.uint8)
             raw[:, :, :4] = rng.uniform(0.001, 0.05, (shape[0], shape[1] // 256, 2)).astype(np.float16).view(np.uint8)
             raw = raw.reshape(shape[0], -1)
             made[name] = gguf.quants.dequantize(raw, kind).reshape(shape)
@@ -406,11 +407,11 @@ def _native_blocks(tmp_path, types: dict[str, str], others: dict[str, str] | Non
 
 
 @pytest.mark.parametrize("block", [32, 16])
-@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8), ("Q5_0", 8)])
 def test_gguf_symmetric_blocks_copy_bit_exactly(tmp_path, kind, bits, block):
-    """Q4_0 / Q8_0 tensors enter the ONNX layout without a dequantize/requantize round trip: their ints and
-    scales, read from the file, dequantize to exactly what gguf's own dequantizer gives. Into blocks of 16 each
-    block of 32 is two blocks with its scale."""
+    """Q4_0 / Q8_0 / Q5_0 tensors enter the ONNX layout without a dequantize/requantize round trip: their ints
+    and scales, read from the file, dequantize to exactly what gguf's own dequantizer gives (Q5_0's 5-bit ints
+    as int8). Into blocks of 16 each block of 32 is two blocks with its scale."""
     import gguf
 
     from specedge.graphs import llama
@@ -472,44 +473,49 @@ def test_gguf_phi3_fused_blocks_copy_bit_exactly(tmp_path, kind, bits):
     assert not report.requantized and len(report.native) == 4 + 2
 
 
-def test_gguf_q4_k_super_blocks_copy_exactly_into_the_offset_scheme(tmp_path):
-    """Q4_K (super-blocks of 256 with 6-bit scales and minima for their 8 blocks of 32, value d * sc * nibble -
-    dmin * mn): random super-blocks read as offset blocks of 32 dequantize to gguf's own values (to float32
-    rounding), q and k rows in the exporter's order included. The offset scheme copies them, int8 too (4-bit
-    ints fit); the symmetric scheme requantizes them."""
+@pytest.mark.parametrize("kind,bits", [("Q4_K", 4), ("Q5_K", 8), ("Q5_1", 8)])
+def test_gguf_k_quant_and_q5_1_blocks_copy_exactly_into_the_offset_scheme(tmp_path, kind, bits):
+    """Q4_K / Q5_K (super-blocks of 256 with 6-bit scales and minima for their 8 blocks of 32, value d * sc * q -
+    dmin * mn; Q5_K's fifth bits in qh) and Q5_1 (value d * q5 + m per block of 32): random super-blocks (Q5_1:
+    gguf's quantization of random weights) read as offset blocks of 32 dequantize to gguf's own values (to
+    float32 rounding), q and k rows in the exporter's order included. The offset scheme copies them where their
+    ints fit (4-bit into int4 and int8, 5-bit into int8); the symmetric scheme requantizes them."""
     from specedge.graphs import llama
 
-    src, made, found = _native_blocks(tmp_path, {n: "Q4_K" for n in LAYER_MATRICES}, E=256, F=512)
+    src, made, found = _native_blocks(tmp_path, {n: kind for n in LAYER_MATRICES}, E=256, F=512)
+    low = -8 if kind.startswith("Q4") else -16  # 4-bit ints -8..7, 5-bit ones -16..15
     for t, hf_name, b in found:
-        assert (b.bits, b.block) == (4, 32) and b.q.min() == -8 and b.q.max() == 7 and b.offset is not None
+        assert (b.bits, b.block) == (bits, 32) and b.q.min() == low and b.q.max() == -low - 1
         want = src.tensor(hf_name).T  # gguf's dequantizer, in the exporter's row order
         np.testing.assert_allclose(b.dequantized(), want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=hf_name)
-        assert len(np.unique(b.scale)) > 50  # the 6-bit scales vary per block: all of them were unpacked
-    for bits in (4, 8):
+        assert len(np.unique(b.scale)) > 50  # the scales vary per block: all of them were unpacked
+    for stored in (4, 8):
         report = llama.QuantReport()
-        list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(bits, 32, 8, offsets=True),
-                                 native=src.blocks, report=report))
-        assert report.native == ["layers.0.qkv", "layers.0.o", "layers.0.gate_up", "layers.0.down"], bits
+        list(llama.graph_weights(src.config, 64, "float32", src.tensor,
+                                 quant=Q.QuantSpec(stored, 32, 8, offsets=True), native=src.blocks, report=report))
+        layers = ["layers.0.qkv", "layers.0.o", "layers.0.gate_up", "layers.0.down"]
+        assert report.native == (layers if bits <= stored else []), stored
     report = llama.QuantReport()
     list(llama.graph_weights(src.config, 64, "float32", src.tensor, quant=Q.QuantSpec(4, 32, 8), native=src.blocks,
                              report=report))
     assert not report.native
 
 
-def test_a_q4_k_gguf_exports_to_an_offset_bundle_that_computes_its_model(tmp_path, monkeypatch):
-    """The whole path: a Q4_K GGUF exported with --quant int4 --quant-scheme offset copies every layer weight,
-    passes check, and its logits are the float32 bundle's of the same file within accuracy level 4's int8
-    activations."""
+@pytest.mark.parametrize("kind,quant", [("Q4_K", "int4"), ("Q5_K", "int8")])
+def test_a_k_quant_gguf_exports_to_an_offset_bundle_that_computes_its_model(tmp_path, monkeypatch, kind, quant):
+    """The whole path: a Q4_K (Q5_K) GGUF exported with --quant int4 (int8) --quant-scheme offset copies every
+    layer weight, passes check, and its logits are the float32 bundle's of the same file within accuracy level
+    4's int8 activations."""
     from specedge.export.sources import GGUFSource, TokenizerInfo
 
     monkeypatch.setattr(GGUFSource, "tokenizer",
                         lambda self: TokenizerInfo(bos_id=None, eos_ids=[1], chat_template=None))
-    src, _, _ = _native_blocks(tmp_path, {n: "Q4_K" for n in LAYER_MATRICES}, E=256, F=512)
+    src, _, _ = _native_blocks(tmp_path, {n: kind for n in LAYER_MATRICES}, E=256, F=512)
     tokens = np.random.default_rng(9).integers(0, 96, CHUNK + 5).tolist()
     logits = {}
-    for name, quant in (("f32", {}), ("off4", {"quant": "int4", "quant_scheme": "offset"})):
+    for name, options in (("f32", {}), ("off4", {"quant": quant, "quant_scheme": "offset"})):
         out = str(tmp_path / name)
-        export_bundle(src.path, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), **quant),
+        export_bundle(src.path, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), **options),
                       progress=False)
         assert check_bundle(out).ok
         drv = ContractDriver(out, session_config=load_manifest(out).target.session_config)
