@@ -65,7 +65,7 @@ class Source:
 
     def blocks(self, hf_name: str) -> Blocks | None:
         """The tensor as int blocks in the ONNX layout ([in, out], blocks along `in`), when the source stores it
-        that way already (GGUF Q4_0 / Q8_0 symmetric, Q4_1 with per-block offsets); None otherwise."""
+        that way already (GGUF Q4_0/Q5_0/Q8_0 symmetric, Q4_1/Q5_1/Q4_K/Q5_K with per-block offsets); None otherwise."""
         return None
 
     def tokenizer(self) -> TokenizerInfo:

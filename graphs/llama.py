@@ -305,9 +305,9 @@ class QuantReport:
 
 
 def copies_as_stored(b: Blocks | None, quant: QuantSpec, bits: int, offsets: bool) -> bool:
-    """Whether a source tensor's blocks (GGUF Q4_0/Q8_0, Q4_1 with `offsets`) are a bundle weight of `bits` as they
-    are. A source's int4 blocks fit int8 exactly (same ints, same scales), and a block fits the smaller blocks that
-    divide it (its scale repeated): neither loses anything."""
+    """Whether a source tensor's blocks (GGUF Q4_0/Q5_0/Q8_0, Q4_1/Q5_1/Q4_K/Q5_K with `offsets`) are a bundle
+    weight of `bits` as they are. A source's int4 (or 5-bit) blocks fit int8 exactly (same ints, same scales), and
+    a block fits the smaller blocks that divide it (its scale repeated): neither loses anything."""
     return b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
 
 
@@ -374,7 +374,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     With `quant`, every MatMul weight W becomes W.q (int8 or int4 [in, out]) and W.scale (float32 blocks along
     `in`), the embedding becomes embed.q (int8 [V, hidden]) and embed.scale (blocks along hidden), and the head
     is a MatMul weight "lm_head" [hidden, V] of its own (see graphs/quant.py). `native(name)` may return a
-    source tensor that already is such blocks (GGUF Q4_0/Q8_0), used as it is when its bits and block match;
+    source tensor that already is such blocks (GGUF Q4_0/Q8_0...: copies_as_stored), used as it is when its bits and block match;
     everything else is requantized from float, and `report` records which and the error introduced.
 
     `act_ranges` (export/smooth.py: each product's largest input per channel, by weight name) smooths the
