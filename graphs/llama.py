@@ -374,8 +374,8 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
     With `quant`, every MatMul weight W becomes W.q (int8 or int4 [in, out]) and W.scale (float32 blocks along
     `in`), the embedding becomes embed.q (int8 [V, hidden]) and embed.scale (blocks along hidden), and the head
     is a MatMul weight "lm_head" [hidden, V] of its own (see graphs/quant.py). `native(name)` may return a
-    source tensor that already is such blocks (GGUF Q4_0/Q8_0...: copies_as_stored), used as it is when its bits and block match;
-    everything else is requantized from float, and `report` records which and the error introduced.
+    source tensor that already is such blocks (GGUF Q4_0, Q8_0...: copies_as_stored), used as it is when its bits
+    and block match; everything else is requantized from float, and `report` records which and the error introduced.
 
     `act_ranges` (export/smooth.py: each product's largest input per channel, by weight name) smooths the
     products with SmoothQuant's `alpha` (default quant.smooth), folded into the norms and projections that
@@ -417,7 +417,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
         return w
 
     def smooths(name: str, parts: list[tuple[str, np.float32]], bits: int | None = None) -> bool:
-        """Whether product `name` gets input factors."""
+        """Whether product `name` gets input factors (and if so, `report` records it)."""
         if not smoothing:
             return False
         if keep_native and quant is not None and keeps_source_blocks(quant, native, name, parts, bits or quant.bits):
@@ -531,7 +531,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
             yield p + "mlp_out_norm", norm(layer + "post_feedforward_layernorm.weight").astype(np_dtype)
     head = head_weight(cfg)
     final_norm = norm("model.norm.weight")
-    # a float Gemm head reads the embedding table itself
+    # the head is smoothed as a MatMul weight of its own only: a float Gemm head reads the embedding table itself
     if (quant is not None or matmul_head) and smooths("lm_head", [(head, one)], quant and quant.head_bits):
         into["lm_head"] = smoothing_factors(act_ranges["lm_head"], in_range([(head, one)]), alpha)
         final_norm = final_norm / into["lm_head"]

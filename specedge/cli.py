@@ -65,10 +65,10 @@ def _add_export(sub) -> None:
                    "available memory holds)")
     p.add_argument("--quant", default="none", metavar="{none,int8,int4}",
                    help="weight-only quantization of every weight product: symmetric int8 or int4 blocks in standard "
-                   "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q4_0 blocks of int4 products "
-                   "are copied as they are (Q8_0, Q5_0 and Q4_0 blocks of int8 ones too when unsmoothed; Q4_1, Q5_1, "
-                   "Q4_K and Q5_K with --quant-scheme offset), other types are requantized and the error is "
-                   "reported (default none)")
+                   "ONNX (DequantizeLinear + MatMul, opset 21); the embedding is int8. GGUF Q4_0 blocks of int4 "
+                   "products are copied as they are (Q8_0, Q5_0 and Q4_0 blocks of int8 ones too when unsmoothed; "
+                   "Q4_1, Q5_1, Q4_K and Q5_K with --quant-scheme offset), other types are requantized and the "
+                   "error is reported (default none)")
     p.add_argument("--quant-block", type=int, default=None, metavar="N",
                    help="input rows per quantization scale, a power of two in 16..256 (default 32). Smaller blocks "
                    "are closer to float32 and larger; where a CPU computes int4 in the bundle's block inexactly (AVX2-"
@@ -78,7 +78,8 @@ def _add_export(sub) -> None:
                    help="the LM head's type under --quant (default int8: see benchmarks/quality/README.md)")
     p.add_argument("--quant-scheme", default=None, metavar="{symmetric,offset,rows}",
                    help="symmetric blocks (default), or blocks plus a float offset per block for the layer weights "
-                   "(GGUF Q4_1's layout: Q4_1, Q5_1, Q4_K and Q5_K copied exactly; a low-rank product in the graph adds the offsets), or "
+                   "(GGUF Q4_1's layout: Q4_1, Q5_1, Q4_K and Q5_K copied exactly; a low-rank product in the graph "
+                   "adds the offsets), or "
                    "rows (int8 only: weights per output column, activations quantized per row in the graph, integer "
                    "products; verify and prefill steps cost far less, exact on every CPU, less precise; "
                    "--quant-block then applies to the embedding only)")
