@@ -311,13 +311,19 @@ def copies_as_stored(b: Blocks | None, quant: QuantSpec, bits: int, offsets: boo
     return b is not None and b.bits <= bits and b.block % quant.block == 0 and (offsets or b.offset is None)
 
 
+def product_scheme(quant: QuantSpec, name: str) -> tuple[bool, bool]:
+    """(offsets, rows) for weight `name` (graphs/quant.py): the offset scheme's offsets are the layer weights'
+    only, and the rows scheme's one scale per output column is every product's but the embedding's."""
+    return quant.offsets and name not in ("embed", "lm_head"), quant.rows and name != "embed"
+
+
 def source_blocks(quant: QuantSpec, native: Callable[[str], Blocks | None] | None, name: str,
                   parts: list[tuple[str, np.float32]], bits: int) -> list[Blocks] | None:
     """The source's own blocks of each part of product `name` when the bundle stores them as they are (every
     part's blocks fit; never for the rows scheme, whose single scale per column no source stores), else None."""
-    if native is None or (quant.rows and name != "embed"):
+    offsets, rows = product_scheme(quant, name)
+    if native is None or rows:
         return None
-    offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
     found = [native(n) for n, _ in parts]
     return found if all(copies_as_stored(b, quant, bits, offsets) for b in found) else None
 
@@ -427,8 +433,7 @@ def graph_weights(cfg: LlamaConfig, context: int, dtype: str, hf: Callable[[str]
 
     def blocks(name: str, parts: list[tuple[str, np.float32]], bits: int) -> Blocks:
         """W = concat(factor * hf(part)).T [in, out] as quantized blocks, natively when the source has them."""
-        offsets = quant.offsets and name not in ("embed", "lm_head")  # layer weights only (graphs/quant.py)
-        rows = quant.rows and name != "embed"  # one scale per output column: no source stores that
+        offsets, rows = product_scheme(quant, name)
         found = None if name in into else source_blocks(quant, native, name, parts, bits)
         if found is not None:
             found = [b.split(quant.block) for b in found]
