@@ -513,7 +513,7 @@ def test_a_k_quant_gguf_exports_to_an_offset_bundle_that_computes_its_model(tmp_
     src, _, _ = _native_blocks(tmp_path, {n: kind for n in LAYER_MATRICES}, E=256, F=512)
     tokens = np.random.default_rng(9).integers(0, 96, CHUNK + 5).tolist()
     logits = {}
-    for name, options in (("f32", {}), ("off4", {"quant": quant, "quant_scheme": "offset"})):
+    for name, options in (("f32", {}), ("offset", {"quant": quant, "quant_scheme": "offset"})):
         out = str(tmp_path / name)
         export_bundle(src.path, out, ExportOptions(context=64, prefill_chunk=CHUNK, gammas=(4,), **options),
                       progress=False)
@@ -521,8 +521,8 @@ def test_a_k_quant_gguf_exports_to_an_offset_bundle_that_computes_its_model(tmp_
         drv = ContractDriver(out, session_config=load_manifest(out).target.session_config)
         drv.step(tokens[:CHUNK], "prefill", CHUNK)
         logits[name] = drv.step(tokens[CHUNK:], "step", 5)[0]
-    assert load_manifest(str(tmp_path / "off4")).target.quant["source"]["native"] == 4  # the layers; not the F32 head
-    err = np.abs(logits["off4"] - logits["f32"]).max() / np.abs(logits["f32"]).max()
+    assert load_manifest(str(tmp_path / "offset")).target.quant["source"]["native"] == 4  # the layers; not the F32 head
+    err = np.abs(logits["offset"] - logits["f32"]).max() / np.abs(logits["f32"]).max()
     assert 0 < err < 0.03, err
 
 
@@ -972,7 +972,7 @@ def test_a_mixed_gguf_keeps_its_4_bit_blocks_and_smooths_the_rest(tmp_path):
                                           report=report, act_ranges=ranges, keep_native=True))
         return stored, report
 
-    int8, report = export(Q.QuantSpec(8, 32, 8, smooth=0.5))
+    _, report = export(Q.QuantSpec(8, 32, 8, smooth=0.5))
     assert report.native == ["embed"] and len(report.smoothed) == 5
     int4 = Q.QuantSpec(4, 32, 8, smooth=0.5)
     assert not llama.keeps_every_product(cfg, int4, src.blocks)
